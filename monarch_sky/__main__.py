@@ -1,0 +1,3 @@
+from monarch_sky.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,201 @@
+"""Job settings: an omegaconf structured config, recipe defaults, dotlist overrides.
+
+`load_job(["replicas=2", "steps=60"])` merges, in order: the defaults below, the chosen
+recipe's `job_defaults`, then the overrides. Every mistake raises `ConfigError` with a
+message naming the field and what is allowed; nothing is spawned before this passes.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from monarch_sky.faults import Fault, FaultSpecError, check_faults, parse_faults
+from monarch_sky.recipes import RECIPES
+
+ASSETS = Path(__file__).resolve().parent / "assets"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class TrainingSettings:
+    seq_len: int = MISSING
+    local_batch_size: int = MISSING
+    lr: float = MISSING
+    warmup_steps: int = MISSING
+
+
+@dataclass
+class DataSettings:
+    tokenizer_path: str = str(ASSETS / "tokenizer")
+    dataset: str = "c4_test"  # torchtitan's local-json loader; "c4" streams from the Hub
+    dataset_path: Optional[str] = str(ASSETS / "data")
+
+
+@dataclass
+class FTSettings:
+    mode: str = "step"  # "step": every step all-reduced across groups; "diloco"
+    sync_steps: int = 10  # diloco: steps between syncs
+    min_replicas: int = 1  # fewest replica groups a step may commit with
+    process_group_timeout_ms: int = 5000  # a collective with a dead peer fails after this
+    heartbeat_timeout_ms: int = 1000  # lighthouse drops a silent replica after this
+    quorum_tick_ms: int = 100
+    join_timeout_ms: int = 10000
+    max_restarts: int = 3  # respawns of one replica group before it is given up
+    standby: bool = True  # keep a warm spare process set per group: recovery skips imports
+
+
+@dataclass
+class TimeoutSettings:
+    spawn_s: float = 300.0  # procs up + trainer built (imports dominate on CPU)
+    step_s: float = 180.0  # one training step, quorum and healing included
+    stop_s: float = 30.0  # stopping a process mesh
+
+
+@dataclass
+class HostSettings:
+    provider: str = "local"  # "local": one worker-loop process per replica group
+
+
+@dataclass
+class WandbSettings:
+    mode: str = "auto"  # auto: online if WANDB_API_KEY is set, else offline; or disabled
+    project: str = "monarch-sky"
+    entity: Optional[str] = None
+
+
+@dataclass
+class JobConfig:
+    recipe: str = "llama3_tiny"
+    replicas: int = 3
+    procs_per_replica: int = 2
+    steps: int = 100
+    seed: int = 0
+    faults: str = ""
+    run_dir: str = "runs"
+    run_id: Optional[str] = None
+    training: TrainingSettings = field(default_factory=TrainingSettings)
+    data: DataSettings = field(default_factory=DataSettings)
+    ft: FTSettings = field(default_factory=FTSettings)
+    timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
+    hosts: HostSettings = field(default_factory=HostSettings)
+    wandb: WandbSettings = field(default_factory=WandbSettings)
+
+
+@dataclass
+class Job:
+    """A validated job: the config plus the parsed fault schedule."""
+
+    config: DictConfig
+    faults: list[Fault]
+
+    def to_dict(self) -> dict[str, Any]:
+        return OmegaConf.to_container(self.config, resolve=True)
+
+
+CHOICES = {
+    "ft.mode": ("step", "diloco"),
+    "hosts.provider": ("local",),
+    "wandb.mode": ("auto", "online", "offline", "disabled"),
+}
+AT_LEAST_ONE = (
+    "replicas",
+    "procs_per_replica",
+    "steps",
+    "ft.sync_steps",
+    "ft.min_replicas",
+    "training.seq_len",
+    "training.local_batch_size",
+)
+
+
+def load_job(overrides: list[str]) -> Job:
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"'{item}' is not KEY=VALUE (for example replicas=2)")
+    schema = OmegaConf.structured(JobConfig)
+    cli = _parse_dotlist(overrides)
+    recipe_name = cli.get("recipe", schema.recipe)
+    if recipe_name not in RECIPES:
+        raise ConfigError(f"recipe: unknown recipe '{recipe_name}'; allowed: {', '.join(RECIPES)}")
+    try:
+        config = OmegaConf.merge(schema, RECIPES[recipe_name].job_defaults, cli)
+        OmegaConf.to_container(config, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e)) from None
+    _validate(config)
+    if config.faults == "auto":
+        config.faults = auto_fault(config.replicas, config.steps)
+    try:
+        faults = parse_faults(config.faults)
+        check_faults(faults, config.replicas, config.steps)
+    except FaultSpecError as e:
+        raise ConfigError(f"faults: {e}") from None
+    return Job(config, faults)
+
+
+def auto_fault(replicas: int, steps: int) -> str:
+    """The demo default: one kill into replica 1 at 40% of the run (none on 1 replica)."""
+    if replicas < 2 or steps < 3:
+        return ""
+    return f"kill@{max(1, steps * 2 // 5)}:1"
+
+
+def _parse_dotlist(overrides: list[str]) -> DictConfig:
+    try:
+        return OmegaConf.from_dotlist(overrides)
+    except OmegaConfBaseException as e:
+        raise ConfigError(_describe(e)) from None
+
+
+def _describe(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None) or getattr(e, "key", None)
+    msg = getattr(e, "msg", str(e)).splitlines()[0]
+    if "Key '" in msg and "not in" in msg:
+        parent = key.rpartition(".")[0] if key else ""
+        allowed = _keys_at(parent)
+        return f"{key}: unknown config key; allowed keys{' under ' + parent if parent else ''}: {', '.join(allowed)}"
+    if "Missing mandatory value" in msg:
+        return f"{key}: no value; set it with {key}=VALUE"
+    return f"{key}: {msg}" if key else msg
+
+
+def _keys_at(parent: str) -> list[str]:
+    node = OmegaConf.structured(JobConfig)
+    if parent:
+        node = OmegaConf.select(node, parent)
+    return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def _validate(config: DictConfig) -> None:
+    for key in AT_LEAST_ONE:
+        value = OmegaConf.select(config, key)
+        if value < 1:
+            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(config, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
+    if config.training.lr <= 0:
+        raise ConfigError(f"training.lr: must be > 0, got {config.training.lr}")
+    if config.ft.min_replicas > config.replicas:
+        raise ConfigError(
+            f"ft.min_replicas: {config.ft.min_replicas} is more than replicas={config.replicas}"
+        )
+    if config.ft.mode == "diloco" and config.steps < config.ft.sync_steps:
+        raise ConfigError(
+            f"ft.sync_steps: {config.ft.sync_steps} is more than steps={config.steps}; "
+            "diloco would never sync"
+        )
+    for key in ("data.tokenizer_path",):
+        path = OmegaConf.select(config, key)
+        if not os.path.isdir(path):
+            raise ConfigError(f"{key}: no such directory '{path}'")

@@ -1,0 +1,549 @@
+"""The single Monarch controller: starts the lighthouse, runs the replica groups, heals.
+
+One asyncio task per replica group drives its training one step per call. TorchFT keeps
+the groups in step; the controller only watches. When Monarch reports a group's process
+dead (or a call raises, or a step hangs past its timeout), that task stops the broken
+process mesh and spawns a new generation of the group on the same host; the new group's
+first TorchFT quorum heals it live from a healthy peer. The other tasks never wait for
+it. Every wait has a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from monarch_sky import platform as platform_mod
+from monarch_sky import supervision
+from monarch_sky.config import Job
+from monarch_sky.faults import Fault
+from monarch_sky.hosts import Host, HostProvider, LocalHosts, reap_run
+from monarch_sky.progress import Display
+from monarch_sky.recipes import TrainerSpec
+from monarch_sky.replica import GroupFailed, ReplicaGroup
+from monarch_sky.trainer import checkpoint_files
+from monarch_sky.tracking import RunRecord, Tracker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FaultRecord:
+    fault: Fault
+    rank: int
+    injected_at: float  # time.monotonic()
+    detected_at: float | None = None
+    resumed_at: float | None = None  # a survivor committed a step begun after injection
+    rejoined_at: float | None = None  # the respawned group committed a step
+    recovered_from: str | None = None  # "peer": weights came live from another group
+
+    def seconds(self, at: float | None) -> float | None:
+        return None if at is None else round(at - self.injected_at, 3)
+
+    def to_summary(self) -> dict[str, Any]:
+        return {
+            "kind": self.fault.kind,
+            "replica": self.fault.replica,
+            "step": self.fault.step,
+            "rank": self.rank,
+            "detected_s": self.seconds(self.detected_at),
+            "survivors_resumed_s": self.seconds(self.resumed_at),
+            "rejoined_s": self.seconds(self.rejoined_at),
+            "recovered_from": self.recovered_from,
+        }
+
+
+@dataclass
+class Slot:
+    """One replica group's place in the run, across its generations."""
+
+    index: int
+    host: Host
+    host_mesh: Any
+    group: ReplicaGroup | None = None  # the generation that trains
+    standby: asyncio.Task | None = None  # resolves to a warmed next generation
+    generations: int = 0  # generations spawned so far (standbys included)
+    restarts: int = 0
+    state: str = "starting"  # starting | training | rejoining | recovering | done | lost
+    step: int = 0
+    open_faults: list[FaultRecord] = field(default_factory=list)  # not yet rejoined
+
+
+@dataclass
+class StepStats:
+    first_seen: float
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    quorum: int = 0
+    replicas: set[int] = field(default_factory=set)
+
+
+class Controller:
+    def __init__(self, job: Job, provider: HostProvider, record: RunRecord, tracker: Tracker, display: Display):
+        self.job = job
+        self.cfg = job.config
+        self.provider = provider
+        self.record = record
+        self.tracker = tracker
+        self.display = display
+        self.platform = platform_mod.detect()
+        self.target = self.cfg.steps
+        self.slots: list[Slot] = []
+        self.pending_faults = list(job.faults)
+        self.fault_records: list[FaultRecord] = []
+        self.unplanned: list[dict[str, Any]] = []
+        self.lost: list[dict[str, Any]] = []
+        self.steps: dict[int, StepStats] = {}
+        self.run_step = 0
+        self.logged_step = 0
+        self.finishing = False
+        self.rng = random.Random(self.cfg.seed)
+        self.step_seconds = 1.0  # moving average, used to land faults mid-step
+        self.lighthouse = None
+        self.lighthouse_address = ""
+        self.router: supervision.FailureRouter | None = None
+        self.groups: dict[str, ReplicaGroup] = {}  # every live generation, standbys too
+        self.start_time = time.monotonic()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    async def run(self) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        try:
+            self._start_lighthouse()
+            self.router = supervision.FailureRouter(
+                lambda owner, report: loop.call_soon_threadsafe(
+                    self._on_failure, owner, report, time.monotonic()
+                )
+            )
+            await self._start_hosts()
+            await _all_or_nothing(self._activate(slot) for slot in self.slots)
+            if self.cfg.ft.standby:
+                for slot in self.slots:
+                    self._refill_standby(slot)
+                await asyncio.wait([s.standby for s in self.slots if s.standby is not None])
+            self.record.event("training_started", replicas=len(self.slots))
+            await _all_or_nothing(self._drive(slot) for slot in self.slots)
+            self._flush_steps(final=True)
+            digests = await self._digests()
+            return self._summary(digests)
+        finally:
+            await self._shutdown()
+
+    def _start_lighthouse(self) -> None:
+        from torchft.coordination import LighthouseServer
+
+        ft = self.cfg.ft
+        self.lighthouse = LighthouseServer(
+            bind="0.0.0.0:0",
+            min_replicas=ft.min_replicas,
+            join_timeout_ms=ft.join_timeout_ms,
+            quorum_tick_ms=ft.quorum_tick_ms,
+            heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
+        )
+        port = self.lighthouse.address().rsplit(":", 1)[1]
+        self.lighthouse_address = f"http://{self.provider.controller_ip()}:{port}"
+        self.record.event("lighthouse_started", address=self.lighthouse_address)
+
+    async def _start_hosts(self) -> None:
+        from monarch.actor import attach_to_workers, enable_transport
+
+        hosts = await asyncio.to_thread(self.provider.start, self.cfg.replicas)
+        enable_transport(f"tcp://{self.provider.controller_ip()}:0")
+        for index, host in enumerate(hosts):
+            mesh = attach_to_workers(name=f"host-{host.name}", ca="trust_all_connections", workers=[host.address])
+            await asyncio.wait_for(_await(mesh.initialized), self.cfg.timeouts.spawn_s)
+            self.slots.append(Slot(index=index, host=host, host_mesh=mesh))
+        self.record.event("hosts_ready", hosts=[h.address for h in hosts])
+
+    # ---- generations: spawn (warm standby) -> setup (training) -> discard ------------------
+
+    async def _spawn(self, slot: Slot) -> ReplicaGroup:
+        """A new generation of the slot's group with processes up and code imported."""
+        group = ReplicaGroup(slot.index, slot.generations, slot.host, slot.host_mesh, self.cfg.procs_per_replica)
+        slot.generations += 1
+        self.groups[group.owner] = group
+        self.router.watch(group.owner)
+        try:
+            await group.spawn(self._spec(slot.index), self.lighthouse_address, self._proc_env(), self.cfg.timeouts.spawn_s)
+        except BaseException:
+            await self._discard(group)
+            raise
+        return group
+
+    async def _discard(self, group: ReplicaGroup) -> None:
+        self.router.unwatch(group.owner)
+        self.groups.pop(group.owner, None)
+        await group.stop(self.cfg.timeouts.stop_s)
+
+    def _refill_standby(self, slot: Slot) -> None:
+        if self.cfg.ft.standby and not self.finishing and slot.standby is None:
+            slot.standby = asyncio.ensure_future(self._spawn(slot))
+
+    async def _take_standby(self, slot: Slot) -> tuple[ReplicaGroup, bool]:
+        """The warm standby if it is alive, else a freshly spawned generation."""
+        task, slot.standby = slot.standby, None
+        if task is not None:
+            try:
+                group = await task
+            except GroupFailed:
+                group = None
+            if group is not None and group.failure is None:
+                return group, True
+            if group is not None:
+                await self._discard(group)
+        return await self._spawn(slot), False
+
+    async def _activate(self, slot: Slot) -> bool:
+        """Bring up a new generation that trains; retries up to ft.max_restarts."""
+        while True:
+            began = time.monotonic()
+            group = None
+            try:
+                group, warm = await self._take_standby(slot)
+                info = await group.setup(self.cfg.timeouts.spawn_s)
+            except GroupFailed as e:
+                if group is not None:
+                    await self._discard(group)
+                self.record.event("replica_start_failed", replica=slot.index, reason=str(e))
+                if not self._may_restart(slot, f"could not start: {_first_line(str(e))}"):
+                    return False
+                continue
+            slot.group = group
+            self.record.event(
+                "replica_started",
+                replica=slot.index,
+                generation=group.generation,
+                from_standby=warm,
+                seconds=round(time.monotonic() - began, 3),
+                pid=info["pid"],
+            )
+            return True
+
+    def _may_restart(self, slot: Slot, reason: str) -> bool:
+        if self.finishing:
+            self._lose(slot, "the run finished before it could rejoin")
+            return False
+        if slot.restarts >= self.cfg.ft.max_restarts:
+            self._lose(slot, f"{reason}; gave up after {slot.restarts} restarts (ft.max_restarts)")
+            return False
+        slot.restarts += 1
+        return True
+
+    def _lose(self, slot: Slot, reason: str) -> None:
+        slot.state = "lost"
+        slot.group = None
+        self.lost.append({"replica": slot.index, "reason": reason})
+        self.record.event("replica_lost", replica=slot.index, reason=reason)
+        self.display.line(f"[replica {slot.index}] lost: {reason}; training continues on the others")
+
+    # ---- training ------------------------------------------------------------------
+
+    async def _drive(self, slot: Slot) -> None:
+        if slot.group is None:
+            return
+        slot.state = "training"
+        while slot.state not in ("done", "lost"):
+            if self.finishing and slot.state == "rejoining":
+                await self._retire(slot, "the run finished before it rejoined")
+                return
+            group = slot.group
+            issued = time.monotonic()
+            call = asyncio.ensure_future(group.step(self.cfg.timeouts.step_s))
+            await asyncio.sleep(0)  # let the step go out before a fault aims at it
+            self._maybe_inject(slot, group)
+            try:
+                result = await call
+            except GroupFailed as e:
+                await self._recover(slot, str(e))
+                continue
+            self._on_result(slot, result, issued)
+
+    def _maybe_inject(self, slot: Slot, group: ReplicaGroup) -> None:
+        for fault in list(self.pending_faults):
+            if fault.replica != slot.index or self.run_step < fault.step:
+                continue
+            self.pending_faults.remove(fault)
+            rank = self.rng.randrange(self.cfg.procs_per_replica)
+            delay = 0.5 * self.step_seconds  # land inside the step, as real failures do
+            group.inject(fault.kind, rank, delay)
+            rec = FaultRecord(fault, rank, injected_at=time.monotonic() + delay)
+            self.fault_records.append(rec)
+            slot.open_faults.append(rec)
+            self.record.event("fault_injected", kind=fault.kind, replica=slot.index, rank=rank, step=self.run_step)
+            self.display.line(f"[fault] {fault.kind} -> replica {slot.index} rank {rank} at step {self.run_step}")
+
+    def _on_result(self, slot: Slot, r: dict[str, Any], issued: float) -> None:
+        now = time.monotonic()
+        slot.step = r["step"]
+        self.step_seconds = 0.8 * self.step_seconds + 0.2 * r["seconds"]
+        if slot.state == "rejoining" and r["committed"]:
+            self._rejoined(slot, r, now)
+        if r["committed"]:
+            for rec in self.fault_records:
+                if rec.resumed_at is None and rec.fault.replica != slot.index and issued >= rec.injected_at:
+                    rec.resumed_at = now
+                    self.record.event("survivors_resumed", replica=rec.fault.replica, seconds=rec.seconds(now))
+            stats = self.steps.setdefault(r["step"], StepStats(first_seen=now))
+            stats.losses.append(r["loss"])
+            stats.tokens += r["tokens"]
+            stats.quorum = max(stats.quorum, r["participants"])
+            stats.replicas.add(slot.index)
+            self.run_step = max(self.run_step, r["step"])
+            self._flush_steps()
+        if r["step"] >= self.target:
+            slot.state = "done"
+            self.finishing = True
+
+    def _rejoined(self, slot: Slot, r: dict[str, Any], now: float) -> None:
+        slot.state = "training"
+        source = "peer" if r["healed"] else "scratch"
+        for rec in slot.open_faults:
+            rec.rejoined_at, rec.recovered_from = now, source
+            self.tracker.note({"fault/rejoined_s": rec.seconds(now)})
+        slot.open_faults.clear()
+        self.record.event("replica_rejoined", replica=slot.index, generation=slot.group.generation, step=r["step"], recovered_from=source)
+        self.display.line(f"[replica {slot.index}] rejoined at step {r['step']} (weights from {source})")
+        self._refill_standby(slot)
+
+    def _flush_steps(self, final: bool = False) -> None:
+        """Log each step once the run has moved past it (or at the end)."""
+        last = self.run_step if final else self.run_step - 1
+        for step in range(self.logged_step + 1, last + 1):
+            stats = self.steps.get(step)
+            if stats is None:
+                continue
+            prev = self.steps.get(step - 1)
+            elapsed = stats.first_seen - (prev.first_seen if prev else self.start_time)
+            tps = stats.tokens / elapsed if elapsed > 0 else 0.0
+            loss = sum(stats.losses) / len(stats.losses)
+            self.tracker.log(
+                {
+                    "loss": loss,
+                    "tokens_per_s": tps,
+                    "quorum_size": stats.quorum,
+                    "participating_replicas": len(stats.replicas),
+                },
+                step=step,
+            )
+            self.display.status(
+                step, loss, tps, stats.quorum, len(self.slots),
+                sum(s.state in ("training", "done") for s in self.slots),
+                len(self.fault_records), sum(r.rejoined_at is not None for r in self.fault_records),
+            )
+        self.logged_step = max(self.logged_step, last)
+
+    # ---- failures ------------------------------------------------------------------
+
+    def _on_failure(self, owner: str, report: str, at: float) -> None:
+        group = self.groups.get(owner)
+        if group is None or group.failure is not None:
+            return
+        group.mark_failed(_first_line(report))
+        slot = self.slots[group.index]
+        if slot.group is group:
+            group.detected = True
+            self._note_detection(slot, group.failure, at)
+        else:  # a standby died: the next recovery spawns cold
+            self.record.event("standby_failed", replica=group.index, generation=group.generation, reason=group.failure)
+
+    def _note_detection(self, slot: Slot, reason: str, at: float) -> None:
+        undetected = [r for r in slot.open_faults if r.detected_at is None]
+        for rec in undetected:
+            rec.detected_at = at
+            self.tracker.note({"fault/detected_s": rec.seconds(at)})
+        if not undetected:
+            self.unplanned.append({"replica": slot.index, "step": slot.step, "reason": reason})
+        self.record.event("failure_detected", replica=slot.index, generation=slot.group.generation, reason=reason, planned=bool(undetected))
+        tag = "" if undetected else " (UNPLANNED)"
+        self.display.line(f"[replica {slot.index}] failed{tag}: {reason}")
+
+    async def _recover(self, slot: Slot, reason: str) -> None:
+        group = slot.group
+        if not group.detected:  # the call failed before Monarch supervision said so
+            group.detected = True
+            self._note_detection(slot, reason, time.monotonic())
+        slot.state = "recovering"
+        began = time.monotonic()
+        await self._discard(group)
+        slot.group = None
+        self.record.event("replica_stopped", replica=slot.index, generation=group.generation, seconds=round(time.monotonic() - began, 3))
+        if not self._may_restart(slot, reason) or not await self._activate(slot):
+            return
+        if self.finishing:
+            await self._retire(slot, "the run finished before it rejoined")
+            return
+        slot.state = "rejoining"
+        self.display.line(f"[replica {slot.index}] respawned as generation {slot.group.generation}, rejoining")
+
+    async def _retire(self, slot: Slot, reason: str) -> None:
+        group = slot.group
+        self._lose(slot, reason)
+        if group is not None:
+            self.router.unwatch(group.owner)
+            self.groups.pop(group.owner, None)
+            await group.close(self.cfg.timeouts.stop_s)
+
+    # ---- end of run ------------------------------------------------------------------
+
+    async def _digests(self) -> dict[str, str]:
+        done = [s for s in self.slots if s.state == "done"]
+        results = await asyncio.gather(
+            *(s.group.digest(self.cfg.timeouts.step_s) for s in done), return_exceptions=True
+        )
+        return {str(s.index): d for s, d in zip(done, results) if isinstance(d, str)}
+
+    def _summary(self, digests: dict[str, str]) -> dict[str, Any]:
+        first = self.steps.get(min(self.steps)) if self.steps else None
+        last = self.steps.get(max(self.steps)) if self.steps else None
+        return {
+            "run_id": self.record.path.name,
+            "recipe": self.cfg.recipe,
+            "replicas": self.cfg.replicas,
+            "procs_per_replica": self.cfg.procs_per_replica,
+            "ft_mode": self.cfg.ft.mode,
+            "platform": self.platform.kind,
+            "target_steps": self.target,
+            "committed_steps": self.run_step,
+            "checkpoints_written": self._checkpoints_written(),
+            "loss": {
+                "first": _mean(first.losses) if first else None,
+                "last": _mean(last.losses) if last else None,
+            },
+            "wall_s": round(time.monotonic() - self.start_time, 3),
+            "final_param_digest": digests,
+            "faults": [r.to_summary() for r in self.fault_records],
+            "unplanned_failures": self.unplanned,
+            "lost_replicas": self.lost,
+            "restarts": {str(s.index): s.restarts for s in self.slots},
+        }
+
+    def _checkpoints_written(self) -> int:
+        return sum(len(checkpoint_files(self._dump_folder(i))) for i in range(self.cfg.replicas))
+
+    async def _shutdown(self) -> None:
+        for slot in self.slots:
+            if slot.standby is not None:
+                slot.standby.cancel()
+        standbys = [s.standby for s in self.slots if s.standby is not None]
+        await asyncio.gather(*standbys, return_exceptions=True)
+        await asyncio.gather(
+            *(g.close(self.cfg.timeouts.stop_s) for g in list(self.groups.values())),
+            return_exceptions=True,
+        )
+        if self.router is not None:
+            self.router.uninstall()
+        await asyncio.to_thread(self.provider.shutdown)
+        if self.lighthouse is not None:
+            self.lighthouse.shutdown()
+
+    # ---- helpers ------------------------------------------------------------------
+
+    def _dump_folder(self, index: int) -> str:
+        return str(self.record.path / "torchtitan" / f"replica_{index}")
+
+    def _spec(self, index: int) -> TrainerSpec:
+        cfg = self.cfg
+        return TrainerSpec(
+            recipe=cfg.recipe,
+            replica=index,
+            replicas=cfg.replicas,
+            procs_per_replica=cfg.procs_per_replica,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            training=dict(cfg.training),
+            data=dict(cfg.data),
+            ft=dict(cfg.ft),
+            dump_folder=self._dump_folder(index),
+            platform_kind=self.platform.kind,
+        )
+
+    def _proc_env(self) -> dict[str, str]:
+        env = {
+            "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.platform.is_cpu:
+            env.update(platform_mod.cpu_thread_env())
+        return env
+
+
+async def _await(future):
+    return await future
+
+
+async def _all_or_nothing(coros) -> None:
+    """Run coroutines together; the first one to raise cancels the rest."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            task.result()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
+    return " ".join(lines[:2])[:300] if lines else "unknown failure"
+
+
+def _mean(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
+
+
+def new_run_id(recipe: str) -> str:
+    return f"{recipe}-{datetime.now():%Y%m%d-%H%M%S}-{os.urandom(2).hex()}"
+
+
+def run_job(job: Job, provider: HostProvider | None = None) -> int:
+    """Run a validated job to completion; returns the process exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("RUST_LOG", "warn")
+    cfg = job.config
+    run_id = cfg.run_id or new_run_id(cfg.recipe)
+    cfg.run_id = run_id
+    record = RunRecord(cfg.run_dir, run_id)
+    record.event("run_started", config=job.to_dict())
+    display = Display(cfg.steps)
+    faults = ", ".join(map(str, job.faults)) or "none"
+    display.line(
+        f"monarch-sky run {run_id}: {cfg.recipe}, {cfg.replicas} replica groups x "
+        f"{cfg.procs_per_replica} processes, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {faults}"
+    )
+    tracker = Tracker(cfg.wandb, run_id, record.path, job.to_dict())
+    if provider is None:
+        hosts_log = record.path / "hosts"
+        hosts_log.mkdir(exist_ok=True)
+        provider = LocalHosts(run_id, log_dir=str(hosts_log))
+    controller = Controller(job, provider, record, tracker, display)
+    try:
+        summary = asyncio.run(controller.run())
+    except KeyboardInterrupt:
+        record.event("interrupted")
+        display.line("interrupted: stopped every process of the run")
+        return 130
+    except Exception as e:
+        record.event("run_failed", error=f"{type(e).__name__}: {e}")
+        display.line(f"monarch-sky: run failed: {type(e).__name__}: {e}")
+        log.debug("run failed", exc_info=True)
+        return 1
+    finally:
+        reap_run(run_id)
+        record.close()
+    record.write_summary(summary)
+    tracker.finish(summary)
+    display.finish(summary, str(record.path), tracker.location)
+    return 0 if summary["committed_steps"] >= cfg.steps else 1

@@ -1,0 +1,104 @@
+"""Fault injection: the `KIND@STEP:REPLICA` spec and the actor that carries faults out.
+
+`faults=kill@20:1,segfault@40:0` injects a SIGKILL into one trainer process of replica 1
+once the run has committed 20 steps, and a segfault into replica 0 at step 40. The
+syntax is stable: other tooling writes it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import threading
+from dataclasses import dataclass
+
+from monarch.actor import Actor, endpoint
+
+# Kinds this build can inject. Each kind names what a user would see fail.
+KINDS = {
+    "kill": "SIGKILL of one trainer process of the replica",
+    "segfault": "segmentation fault in one trainer process of the replica",
+}
+
+
+class FaultSpecError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    replica: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}@{self.step}:{self.replica}"
+
+
+def parse_faults(spec: str | None) -> list[Fault]:
+    """Parse `KIND@STEP:REPLICA[,KIND@STEP:REPLICA...]`; empty or "none" means no faults."""
+    if spec is None or str(spec).strip().lower() in ("", "none"):
+        return []
+    faults = [_parse_one(part.strip()) for part in str(spec).split(",")]
+    return sorted(faults, key=lambda f: f.step)
+
+
+def _parse_one(text: str) -> Fault:
+    usage = f"'{text}' is not KIND@STEP:REPLICA (for example kill@20:1)"
+    kind, at, rest = text.partition("@")
+    step, colon, replica = rest.partition(":")
+    if not (at and colon and kind and step and replica):
+        raise FaultSpecError(usage)
+    if kind not in KINDS:
+        raise FaultSpecError(f"unknown fault kind '{kind}' in '{text}'; allowed: {', '.join(KINDS)}")
+    try:
+        step_n, replica_n = int(step), int(replica)
+    except ValueError:
+        raise FaultSpecError(f"{usage}: STEP and REPLICA must be integers") from None
+    if step_n < 1:
+        raise FaultSpecError(f"fault step must be >= 1 in '{text}'")
+    if replica_n < 0:
+        raise FaultSpecError(f"fault replica must be >= 0 in '{text}'")
+    return Fault(kind, step_n, replica_n)
+
+
+def check_faults(faults: list[Fault], replicas: int, steps: int) -> None:
+    for fault in faults:
+        if fault.replica >= replicas:
+            raise FaultSpecError(
+                f"fault '{fault}' targets replica {fault.replica}, but replicas are "
+                f"0..{replicas - 1} (replicas={replicas})"
+            )
+        if fault.step >= steps:
+            raise FaultSpecError(
+                f"fault '{fault}' is at step {fault.step}, but the run stops at step {steps} "
+                f"(steps={steps}); pick a step below {steps}"
+            )
+
+
+class FaultActor(Actor):
+    """Lives beside each trainer process and injects faults into it on request.
+
+    It is a separate actor so it can act while the trainer is busy in a step.
+    """
+
+    @endpoint
+    def pid(self) -> int:
+        return os.getpid()
+
+    @endpoint
+    def inject(self, kind: str, delay_s: float = 0.0) -> None:
+        # Fire from a timer so this call returns before the process dies.
+        threading.Timer(max(delay_s, 0.01), _FAULTS[kind]).start()
+
+
+def _kill() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _segfault() -> None:
+    ctypes.string_at(0)
+
+
+_FAULTS = {"kill": _kill, "segfault": _segfault}

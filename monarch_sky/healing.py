@@ -1,0 +1,85 @@
+"""The state a rejoining replica receives live from a healthy peer through TorchFT.
+
+Each rank sends and loads only its own shards: model parameters, optimizer state, the
+optimizer's param_groups (learning rate), the LR scheduler and the token count. None of
+it runs a collective or touches `module.state_dict()`, because TorchFT calls the sender's
+function on its quorum thread while the main thread runs the FSDP forward pass:
+
+- torchtitan's model `state_dict()` gathers the fused wqkv weight (a collective that
+  collides with the main thread's FSDP traffic), and FSDP2's state-dict hooks swap the
+  registered parameters mid-forward ("aten.mm got mixed torch.Tensor and DTensor");
+- torchtitan only registers state with TorchFT through its checkpointer, which would
+  write checkpoint files; live recovery must not depend on files.
+
+The parameter objects are captured once, between steps, when FSDP has them sharded.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+STATE_KEY = "monarch_sky"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class RankLocalState:
+    """Register with `manager.register_state_dict_fn(STATE_KEY, s.load, s.state_dict)`."""
+
+    def __init__(self, trainer, on_load: Callable[[], None] = lambda: None):
+        self._trainer = trainer
+        self._on_load = on_load
+        self._params = {
+            name: param
+            for model in trainer.model_parts
+            for name, param in model.named_parameters()
+        }
+        self._names = {id(param): name for name, param in self._params.items()}
+
+    def _optimizers(self):
+        return self._trainer.optimizers.optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self._trainer
+        return {
+            "model": {name: _local(p) for name, p in self._params.items()},
+            "optimizer": [self._optimizer_state(opt) for opt in self._optimizers()],
+            "param_groups": [
+                [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
+                for opt in self._optimizers()
+            ],
+            "lr_scheduler": trainer.lr_schedulers.state_dict(),
+            "ntokens_seen": trainer.ntokens_seen,
+        }
+
+    def _optimizer_state(self, opt) -> dict[str, dict[str, torch.Tensor]]:
+        return {
+            self._names[id(param)]: {k: _local(v) if torch.is_tensor(v) else v for k, v in state.items()}
+            for param, state in opt.state.items()
+        }
+
+    @torch.no_grad()
+    def load(self, state: dict[str, Any]) -> None:
+        trainer = self._trainer
+        for name, value in state["model"].items():
+            _local(self._params[name]).copy_(value)
+        for opt, opt_state in zip(self._optimizers(), state["optimizer"], strict=True):
+            for name, values in opt_state.items():
+                target = opt.state[self._params[name]]
+                for key, value in values.items():
+                    if torch.is_tensor(target.get(key)):
+                        _local(target[key]).copy_(value)
+                    else:
+                        target[key] = value
+        trainer.lr_schedulers.load_state_dict(state["lr_scheduler"])
+        for opt, groups in zip(self._optimizers(), state["param_groups"], strict=True):
+            for group, saved in zip(opt.param_groups, groups, strict=True):
+                group.update(saved)
+        trainer.ntokens_seen = state["ntokens_seen"]
+        self._on_load()

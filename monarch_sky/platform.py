@@ -1,0 +1,107 @@
+"""Which accelerator this process has, and the few shims TorchTitan needs on CPU.
+
+Everything platform-specific lives here: the rest of monarch_sky asks `detect()` what it
+runs on and calls `prepare_torchtitan()` before importing torchtitan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Platform:
+    kind: str  # "rocm" | "cuda" | "cpu"
+    backend: str  # torch.distributed backend inside a replica group
+    device_count: int
+    device_names: tuple[str, ...]
+    version: str  # ROCm/HIP or CUDA version, "" on CPU
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.kind == "cpu"
+
+
+def detect() -> Platform:
+    import torch
+
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        names = tuple(torch.cuda.get_device_name(i) for i in range(count))
+        if torch.version.hip:
+            # On ROCm, "nccl" is RCCL.
+            return Platform("rocm", "nccl", count, names, torch.version.hip)
+        return Platform("cuda", "nccl", count, names, torch.version.cuda or "")
+    return Platform("cpu", "gloo", 0, (), "")
+
+
+class _CpuDeviceModule:
+    """torch.cpu plus the CUDA-style memory calls TorchTitan's memory monitor makes."""
+
+    def __getattr__(self, name):
+        import torch
+
+        return getattr(torch.cpu, name)
+
+    def get_device_name(self, device=None) -> str:
+        return "cpu"
+
+    def get_device_properties(self, device=None):
+        import psutil
+
+        return _CpuProperties(total_memory=psutil.virtual_memory().total)
+
+    def memory_stats(self, device=None) -> dict:
+        return {}
+
+    def reset_peak_memory_stats(self, device=None) -> None:
+        pass
+
+    def empty_cache(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class _CpuProperties:
+    total_memory: int
+    name: str = "cpu"
+
+
+@contextlib.contextmanager
+def _patched(obj, **attrs):
+    saved = {name: getattr(obj, name) for name in attrs}
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(obj, name, value)
+
+
+def prepare_torchtitan(platform: Platform) -> None:
+    """Apply the CPU shims; must run before the first torchtitan import in a process.
+
+    TorchTitan probes the accelerator when `torchtitan.tools.utils` is imported and falls
+    back to "cuda" when there is none. On CPU we let that probe answer "cpu" with a device
+    module that also has the memory-statistics calls its metrics expect.
+    """
+    if not platform.is_cpu or "torchtitan.tools.utils" in sys.modules:
+        return
+    import torch._utils
+
+    cpu_module = _CpuDeviceModule()
+    with _patched(
+        torch._utils,
+        _get_available_device_type=lambda: "cpu",
+        _get_device_module=lambda device_type=None: cpu_module,
+    ):
+        import torchtitan.tools.utils  # noqa: F401
+
+
+def cpu_thread_env() -> dict[str, str]:
+    """Environment for trainer processes: one math thread each, since several share a host."""
+    return {"OMP_NUM_THREADS": os.environ.get("MONARCH_SKY_OMP_THREADS", "1")}

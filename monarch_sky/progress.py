@@ -1,0 +1,108 @@
+"""What the user sees: a live status line, one line per fault and recovery, a summary table."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from typing import Any, TextIO
+
+
+class Display:
+    def __init__(self, target_steps: int, stream: TextIO = sys.stdout):
+        self.target = target_steps
+        self.stream = stream
+        self.live = stream.isatty()
+        self._every = max(1, target_steps // 10)  # non-TTY: a progress line per 10%
+        self._last_printed = 0
+        self._status = ""
+
+    def line(self, text: str) -> None:
+        self._clear()
+        print(text, file=self.stream, flush=True)
+        self._redraw()
+
+    def status(
+        self,
+        step: int,
+        loss: float | None,
+        tokens_per_s: float,
+        quorum: int,
+        replicas: int,
+        training: int,
+        faults: int,
+        recovered: int,
+    ) -> None:
+        loss_text = f"{loss:7.4f}" if loss is not None else "   n/a "
+        text = (
+            f"step {step:>5}/{self.target}  loss {loss_text}  {tokens_per_s:9.0f} tok/s  "
+            f"quorum {quorum}/{replicas}  training {training}/{replicas}  "
+            f"faults {faults}  recovered {recovered}"
+        )
+        if self.live:
+            self._status = text
+            self._redraw()
+        elif step >= self._last_printed + self._every or step == self.target:
+            self._last_printed = step
+            print(text, file=self.stream, flush=True)
+
+    def _clear(self) -> None:
+        if self.live and self._status:
+            width = shutil.get_terminal_size().columns
+            self.stream.write("\r" + " " * min(len(self._status), width - 1) + "\r")
+
+    def _redraw(self) -> None:
+        if self.live and self._status:
+            width = shutil.get_terminal_size().columns
+            self.stream.write("\r" + self._status[: width - 1])
+            self.stream.flush()
+
+    def finish(self, summary: dict[str, Any], record_path: str, wandb_location: str | None) -> None:
+        self._clear()
+        self._status = ""
+        print(format_summary(summary), file=self.stream)
+        print(f"run record: {record_path}/summary.json, {record_path}/events.jsonl", file=self.stream)
+        print(f"W&B: {wandb_location or 'disabled'}", file=self.stream, flush=True)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    loss = s.get("loss") or {}
+    rows = [
+        ("run", s["run_id"]),
+        ("recipe", s["recipe"]),
+        ("replica groups", f"{s['replicas']} x {s['procs_per_replica']} processes"),
+        ("committed steps", f"{s['committed_steps']}/{s['target_steps']}"),
+        ("loss", f"{_num(loss.get('first'))} -> {_num(loss.get('last'))}"),
+        ("wall time", f"{s['wall_s']:.1f}s"),
+        ("checkpoints written", str(s["checkpoints_written"])),
+        ("final digests", _digests(s.get("final_param_digest") or {})),
+    ]
+    out = ["", "== monarch-sky run summary =="]
+    out += [f"  {name:<20} {value}" for name, value in rows]
+    if s.get("faults"):
+        out.append("  faults (seconds after injection):")
+        out.append(
+            f"    {'kind':<9}{'replica':>8}{'step':>6}{'detected':>10}{'resumed':>9}"
+            f"{'rejoined':>10}  recovered from"
+        )
+        for f in s["faults"]:
+            out.append(
+                f"    {f['kind']:<9}{f['replica']:>8}{f['step']:>6}{_num(f['detected_s']):>10}"
+                f"{_num(f['survivors_resumed_s']):>9}{_num(f['rejoined_s']):>10}  {f['recovered_from']}"
+            )
+    for failure in s.get("unplanned_failures") or []:
+        out.append(f"  UNPLANNED failure of replica {failure['replica']}: {failure['reason']}")
+    for lost in s.get("lost_replicas") or []:
+        out.append(f"  replica {lost['replica']} was lost: {lost['reason']}")
+    return "\n".join(out)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
+
+
+def _digests(digests: dict[str, str]) -> str:
+    if not digests:
+        return "-"
+    unique = set(digests.values())
+    state = "all equal" if len(unique) == 1 else "DIFFER"
+    return f"{state} ({', '.join(f'{k}:{v[:10]}' for k, v in sorted(digests.items()))})"

@@ -1,0 +1,86 @@
+"""Recipes: named TorchTitan training setups plus the job settings they default to.
+
+A recipe is cheap to look up (the CLI validates `recipe=` before anything is spawned);
+only `build_trainer` imports torchtitan, and it runs inside the replica processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from monarch_sky.recipes import llama3
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """Everything a replica group needs to build its TorchTitan trainer."""
+
+    recipe: str
+    replica: int  # index of this replica group
+    replicas: int  # number of replica groups (TorchTitan's FT group_size: the data split)
+    procs_per_replica: int
+    steps: int
+    seed: int
+    training: dict[str, Any]  # seq_len, local_batch_size, lr, warmup_steps
+    data: dict[str, Any]  # tokenizer_path, dataset, dataset_path
+    ft: dict[str, Any]  # mode, sync_steps, process_group_timeout_ms, ...
+    dump_folder: str
+    platform_kind: str  # "cpu" | "rocm" | "cuda"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    description: str
+    build_trainer: Callable[[TrainerSpec], Any]
+    job_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+RECIPES: dict[str, Recipe] = {
+    "llama3_tiny": Recipe(
+        name="llama3_tiny",
+        description="4-layer, 128-dim llama3 for CPU runs and tests (the local default)",
+        build_trainer=llama3.tiny,
+        job_defaults={
+            "replicas": 3,
+            "procs_per_replica": 2,
+            "steps": 100,
+            "faults": "auto",
+            "training": {"seq_len": 128, "local_batch_size": 4, "lr": 3e-3, "warmup_steps": 5},
+        },
+    ),
+    "llama3_debug": Recipe(
+        name="llama3_debug",
+        description="TorchTitan's llama3 debug model (6 layers, 256 dim): smoke tests on any node",
+        build_trainer=llama3.debug,
+        job_defaults={
+            "replicas": 2,
+            "procs_per_replica": 1,
+            "steps": 50,
+            "training": {"seq_len": 256, "local_batch_size": 2, "lr": 8e-4, "warmup_steps": 5},
+        },
+    ),
+    "llama3_8b": Recipe(
+        name="llama3_8b",
+        description="Llama 3 8B, FSDP over 8 GPUs per replica group",
+        build_trainer=llama3.llama3_8b,
+        job_defaults={
+            "replicas": 2,
+            "procs_per_replica": 8,
+            "steps": 1000,
+            "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 3e-4, "warmup_steps": 200},
+        },
+    ),
+    "llama3_70b": Recipe(
+        name="llama3_70b",
+        description="Llama 3 70B, FSDP over 8 GPUs per replica group (MI300X/MI325X/MI355X memory)",
+        build_trainer=llama3.llama3_70b,
+        job_defaults={
+            "replicas": 2,
+            "procs_per_replica": 8,
+            "steps": 1000,
+            "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 1.5e-4, "warmup_steps": 200},
+        },
+    ),
+}

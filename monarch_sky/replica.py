@@ -1,0 +1,187 @@
+"""ReplicaActor: one per rank of a replica group's process mesh.
+
+An actor mesh of ReplicaActors is one replica group: N processes (N GPUs) training one
+model copy with FSDP, kept in step with the other groups by TorchFT. The controller calls
+the mesh's endpoints (`setup`, `step`, `digest`, `close`); every rank runs them together
+because the group's FSDP collectives need all of its ranks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+
+from monarch.actor import Actor, endpoint
+
+from monarch_sky.recipes import TrainerSpec
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaActor(Actor):
+    def __init__(self, spec: TrainerSpec, lighthouse: str):
+        self.spec = spec
+        self.lighthouse = lighthouse
+        self.trainer = None
+
+    @endpoint
+    def warm(self) -> float:
+        """Import torch, TorchFT and TorchTitan ahead of time; returns the seconds it took."""
+        start = time.perf_counter()
+        _quiet_logs()
+        from monarch_sky import trainer
+
+        trainer.import_torchtitan()
+        return time.perf_counter() - start
+
+    @endpoint
+    def setup(self) -> dict:
+        """Build the trainer; TorchFT joins the lighthouse on the first step."""
+        start = time.perf_counter()
+        os.environ["TORCHFT_LIGHTHOUSE"] = self.lighthouse
+        _quiet_logs()
+        from monarch_sky.trainer import GroupTrainer
+
+        self.trainer = GroupTrainer(self.spec)
+        return {"pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start}
+
+    @endpoint
+    def step(self) -> dict:
+        return dataclasses.asdict(self.trainer.step())
+
+    @endpoint
+    def digest(self) -> str:
+        return self.trainer.digest()
+
+    @endpoint
+    def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
+
+
+def _quiet_logs() -> None:
+    """TorchTitan and TorchFT log every step at INFO; the controller shows progress."""
+    level = os.environ.get("MONARCH_SKY_TRAINER_LOG_LEVEL", "WARNING")
+    for name in ("torchtitan", "torchft", "torchft.manager", "root"):
+        logging.getLogger(name).setLevel(level)
+
+
+class GroupFailed(RuntimeError):
+    """The replica group cannot go on: a process died, a call raised, or a step hung."""
+
+
+async def _await(future):
+    return await future
+
+
+def _consume(task: asyncio.Future) -> None:
+    """An abandoned call may still fail later; its error is already handled."""
+    if not task.cancelled():
+        task.exception()
+
+
+class ReplicaGroup:
+    """The controller's handle on one incarnation of a replica group.
+
+    Generation g of replica r owns the actor meshes `r{r}g{g}-*`, which is how Monarch
+    supervision failures are attributed to it (see `monarch_sky.supervision`).
+    """
+
+    def __init__(self, index: int, generation: int, host, host_mesh, procs: int):
+        self.index = index
+        self.generation = generation
+        self.host = host
+        self.host_mesh = host_mesh
+        self.procs = procs
+        self.owner = f"r{index}g{generation}"
+        self.failure: str | None = None
+        self.detected = False  # the controller has recorded this group's failure
+        self._failed = asyncio.Event()
+        self.proc_mesh = None
+        self.actors = None
+        self.fault_actors = None
+
+    def mark_failed(self, report: str) -> None:
+        if self.failure is None:
+            self.failure = report
+        self._failed.set()
+
+    async def spawn(self, spec: TrainerSpec, lighthouse: str, env: dict[str, str], timeout_s: float) -> None:
+        """Start the group's processes and import the trainer code (a warm standby)."""
+        from monarch.actor import default_bootstrap_cmd
+
+        from monarch_sky.faults import FaultActor
+
+        self.proc_mesh = self.host_mesh.spawn_procs(
+            per_host={"gpus": self.procs},
+            name=self.owner,
+            bootstrap_command=default_bootstrap_cmd().with_env(env),
+        )
+        self.fault_actors = self.proc_mesh.spawn(f"{self.owner}-fault", FaultActor)
+        self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor, spec, lighthouse)
+        await self._call(self.actors.warm.call(), timeout_s)
+
+    async def setup(self, timeout_s: float) -> dict:
+        """Build the trainer on every rank; the group joins TorchFT on its first step."""
+        from monarch.spmd import SPMDActor
+
+        spmd = self.proc_mesh.spawn(f"{self.owner}-spmd", SPMDActor)
+        # The TCPStore on rank 0 also carries TorchFT's cross-group process groups, so its
+        # address must be the host's reachable IP; the port is picked on the host itself.
+        _, port = await self._call(spmd.slice(gpus=0).get_host_port.call_one(None), timeout_s)
+        await self._call(spmd.setup_env.call(self.host.ip, port), timeout_s)
+        return (await self._call(self.actors.setup.call(), timeout_s)).get(0)
+
+    async def step(self, timeout_s: float) -> dict:
+        return (await self._call(self.actors.step.call(), timeout_s)).get(0)
+
+    async def digest(self, timeout_s: float) -> str:
+        return (await self._call(self.actors.digest.call(), timeout_s)).get(0)
+
+    def inject(self, kind: str, rank: int, delay_s: float) -> None:
+        self.fault_actors.slice(gpus=rank).inject.broadcast(kind, delay_s)
+
+    async def close(self, timeout_s: float) -> None:
+        """Let the trainers shut TorchFT down cleanly, then stop the processes."""
+        if self.actors is not None and self.failure is None:
+            try:
+                await self._call(self.actors.close.call(), timeout_s)
+            except GroupFailed:
+                pass
+        await self.stop(timeout_s)
+
+    async def stop(self, timeout_s: float) -> None:
+        if self.proc_mesh is None:
+            return
+        mesh, self.proc_mesh = self.proc_mesh, None
+        try:
+            await asyncio.wait_for(_await(mesh.stop()), timeout_s)
+        except Exception as e:  # a mesh with a dead process may refuse or hang
+            log.warning("stopping %s: %s", self.owner, e)
+
+    async def _call(self, future, timeout_s: float):
+        """Await a Monarch call, giving up as soon as the group is known to have failed."""
+        if self._failed.is_set():
+            raise GroupFailed(self.failure)
+        call = asyncio.ensure_future(_await(future))
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            done, _ = await asyncio.wait(
+                {call, failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            failed.cancel()
+        if call in done:
+            if call.exception() is None:
+                return call.result()
+            self.mark_failed(f"{type(call.exception()).__name__}: {call.exception()}")
+        else:
+            call.add_done_callback(_consume)
+            call.cancel()
+            if not done:
+                self.mark_failed(f"no answer within {timeout_s:.0f}s")
+        raise GroupFailed(self.failure)

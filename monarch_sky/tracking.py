@@ -1,0 +1,107 @@
+"""Run record and Weights & Biases tracking.
+
+The run record is what tests and tools read: `<run_dir>/<run_id>/events.jsonl` (one JSON
+object per event, written as it happens) and `<run_dir>/<run_id>/summary.json` (at the
+end). W&B gets the same metrics and events; it runs offline unless WANDB_API_KEY is set or
+`wandb.mode=online`. The API key is read by wandb itself and never logged here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class RunRecord:
+    def __init__(self, run_dir: str, run_id: str):
+        self.path = Path(run_dir) / run_id
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.events_path = self.path / "events.jsonl"
+        self.summary_path = self.path / "summary.json"
+        self._start = time.monotonic()
+        self._events = open(self.events_path, "a", buffering=1)
+
+    def elapsed(self, at: float | None = None) -> float:
+        return (time.monotonic() if at is None else at) - self._start
+
+    def event(self, name: str, **fields: Any) -> dict[str, Any]:
+        event = {"t": round(self.elapsed(), 3), "event": name, **fields}
+        self._events.write(json.dumps(event) + "\n")
+        return event
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        tmp = self.summary_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(summary, indent=2) + "\n")
+        tmp.replace(self.summary_path)
+
+    def close(self) -> None:
+        self._events.close()
+
+
+def wandb_mode(setting: str) -> str:
+    if setting == "auto":
+        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    return setting
+
+
+class Tracker:
+    """W&B run for the controller; every call is a no-op when W&B is disabled or broken."""
+
+    def __init__(self, settings, run_id: str, directory: Path, config: dict[str, Any]):
+        self.mode = wandb_mode(settings.mode)
+        self.run = None
+        self.location = None
+        self._pending: dict[str, Any] = {}
+        if self.mode == "disabled":
+            return
+        try:
+            import wandb
+
+            self.run = wandb.init(
+                project=settings.project,
+                entity=settings.entity,
+                id=run_id,
+                name=run_id,
+                dir=str(directory),
+                mode=self.mode,
+                config=config,
+                resume="allow",
+                settings=wandb.Settings(silent=True, console="off"),
+            )
+            self.location = self.run.url if self.mode == "online" else self.run.dir
+        except Exception as e:  # tracking must never stop training
+            log.warning("W&B disabled for this run: %s", _scrub(str(e)))
+            self.run = None
+
+    def log(self, metrics: dict[str, Any], step: int) -> None:
+        """Per-step metrics; W&B needs steps in increasing order."""
+        if self.run is not None:
+            metrics, self._pending = {**self._pending, **metrics}, {}
+            self.run.log(metrics, step=step)
+
+    def note(self, metrics: dict[str, Any]) -> None:
+        """Event metrics (fault timings), sent with the next step's metrics."""
+        self._pending.update(metrics)
+
+    def finish(self, summary: dict[str, Any]) -> None:
+        if self.run is None:
+            return
+        if self._pending:
+            self.run.log(self._pending)
+        for key in ("committed_steps", "wall_s", "checkpoints_written"):
+            self.run.summary[key] = summary.get(key)
+        self.run.finish()
+        import wandb
+
+        wandb.teardown()
+
+
+def _scrub(text: str) -> str:
+    key = os.environ.get("WANDB_API_KEY")
+    return text.replace(key, "***") if key else text

@@ -1,0 +1,187 @@
+"""One rank's TorchTitan fault-tolerant trainer, driven one step at a time.
+
+`GroupTrainer` builds torchtitan's `FaultTolerantTrainer` from a recipe and runs single
+training steps for the controller. The step reuses the trainer's own pieces (data,
+forward/backward, clipping, the TorchFT optimizer wrapper) and adds what fault tolerance
+needs on top of torchtitan 0.3.0:
+
+- the LR scheduler and step count advance only on steps TorchFT committed (torchtitan
+  advances them on every step, so a replica that missed a commit drifts);
+- the loss is reduced inside the replica group only, so reporting it never waits on a
+  peer group that may be dead;
+- healing state is rank-local (see `monarch_sky.healing`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from monarch_sky import platform as platform_mod
+from monarch_sky.recipes import RECIPES, TrainerSpec
+
+
+@dataclass
+class StepResult:
+    replica: int
+    step: int  # committed training steps of this replica group after this call
+    committed: bool
+    loss: float
+    tokens: int  # tokens this group processed in this step
+    participants: int  # replica groups in the quorum this step used
+    healed: bool  # this step loaded state live from a peer
+    seconds: float
+
+
+def import_torchtitan():
+    """Import what a trainer needs (seconds of CPU: a warm standby does it in advance)."""
+    plat = platform_mod.detect()
+    platform_mod.prepare_torchtitan(plat)
+    import torchtitan.experiments.torchft.trainer  # noqa: F401
+    import torchtitan.hf_datasets.text_datasets  # noqa: F401
+
+    return plat
+
+
+class GroupTrainer:
+    def __init__(self, spec: TrainerSpec):
+        self.spec = spec
+        plat = import_torchtitan()
+        self._healed = False
+        self._build(RECIPES[spec.recipe].build_trainer(spec), plat)
+
+    def _build(self, config, plat) -> None:
+        from torchtitan.experiments.torchft.manager import maybe_semi_sync_training
+        from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
+
+        from monarch_sky.healing import STATE_KEY, RankLocalState
+
+        self.trainer = trainer = FaultTolerantTrainer(config)
+        self.manager = trainer.ft_manager.manager
+        if plat.backend == "gloo":
+            _force_sum_reduction(trainer.model_parts)
+        self.state = RankLocalState(trainer, on_load=self._mark_healed)
+        self.manager.register_state_dict_fn(STATE_KEY, self.state.load, self.state.state_dict)
+        self._context = contextlib.ExitStack()
+        self._context.enter_context(
+            maybe_semi_sync_training(
+                config.fault_tolerance,
+                ft_manager=trainer.ft_manager,
+                model=trainer.model_parts[0],
+                n_layers=len(trainer.model_config.layers),
+                optimizer=trainer.optimizers,
+                fragment_fn=config.model_spec.fragment_fn,
+            )
+        )
+        self._diloco = config.fault_tolerance.semi_sync_method is not None
+        self._sync_steps = config.fault_tolerance.sync_steps
+        self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
+        self._data = trainer.batch_generator(trainer.dataloader)
+        self._params = [p for m in trainer.model_parts for p in m.parameters()]
+        loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")
+        self._loss_group = loss_mesh.get_group() if loss_mesh is not None else None
+
+    def _mark_healed(self) -> None:
+        self._healed = True
+
+    def progress(self) -> int:
+        """Committed training steps: what survives a failure of this group's peers."""
+        synced = self.manager.current_step()
+        if not self._diloco:
+            return synced
+        return synced * self._sync_steps + self._inner_steps
+
+    def step(self) -> StepResult:
+        from torchtitan.components.loss import IGNORE_INDEX
+        from torchtitan.distributed import utils as dist_utils
+
+        trainer, manager = self.trainer, self.manager
+        start = time.perf_counter()
+        synced_before = manager.current_step()
+        trainer.gc_handler.run(synced_before + 1)
+        trainer.optimizers.zero_grad()  # per-step mode: starts the async TorchFT quorum
+        batches = [next(self._data) for _ in range(trainer.gradient_accumulation_steps)]
+        local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
+        valid_tokens = torch.tensor(local_tokens, dtype=torch.int64, device=trainer.device)
+        if trainer.parallel_dims.dp_enabled:
+            valid_tokens = dist_utils.dist_sum_tensor(
+                valid_tokens, trainer.parallel_dims.get_mesh("batch")
+            )
+        loss = torch.zeros((), device=trainer.device)
+        for input_dict, labels in batches:
+            loss += trainer.forward_backward_step(
+                input_dict=input_dict, labels=labels, global_valid_tokens=valid_tokens
+            ).detach()
+        dist_utils.clip_grad_norm_(
+            self._params, trainer.config.training.max_norm, foreach=True
+        )
+        trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
+        committed = self._account(synced_before)
+        if committed:
+            trainer.lr_schedulers.step()
+        healed, self._healed = self._healed, False
+        return StepResult(
+            replica=self.spec.replica,
+            step=self.progress(),
+            committed=committed,
+            loss=self._group_loss(loss),
+            tokens=int(valid_tokens.item()),
+            participants=manager.num_participants(),
+            healed=healed,
+            seconds=time.perf_counter() - start,
+        )
+
+    def _account(self, synced_before: int) -> bool:
+        synced = self.manager.current_step() > synced_before
+        if not self._diloco:
+            return synced
+        self._inner_steps += 1
+        if synced or self._inner_steps >= self._sync_steps:
+            # A sync happened: committed, or failed and DiLoCo rolled the weights back.
+            self._inner_steps = 0
+        return synced or self._inner_steps > 0
+
+    def _group_loss(self, loss: torch.Tensor) -> float:
+        if self._loss_group is not None:
+            torch.distributed.all_reduce(loss, group=self._loss_group)
+        return float(loss.item())
+
+    @torch.no_grad()
+    def digest(self) -> str:
+        """sha256 of the group's full parameters (a collective: call it on every rank)."""
+        from torch.distributed.tensor import DTensor
+
+        h = hashlib.sha256()
+        for model in self.trainer.model_parts:
+            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+                full = p.full_tensor() if isinstance(p, DTensor) else p
+                h.update(name.encode())
+                h.update(full.detach().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def close(self) -> None:
+        self._context.close()
+        self.manager.shutdown(wait=False)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _force_sum_reduction(model_parts) -> None:
+    """gloo has no PREMUL_SUM, which FSDP uses to divide gradients in the reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in model_parts:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+
+
+def checkpoint_files(dump_folder: str) -> list[str]:
+    """Files any torchtitan checkpointer wrote under this replica's dump folder."""
+    root = os.path.join(dump_folder, "checkpoint")
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]
