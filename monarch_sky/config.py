@@ -190,10 +190,10 @@ def _validate(config: DictConfig) -> None:
         raise ConfigError(
             f"ft.min_replicas: {config.ft.min_replicas} is more than replicas={config.replicas}"
         )
-    if config.ft.mode == "diloco" and config.steps < config.ft.sync_steps:
+    if config.ft.mode == "diloco" and config.steps % config.ft.sync_steps:
         raise ConfigError(
-            f"ft.sync_steps: {config.ft.sync_steps} is more than steps={config.steps}; "
-            "diloco would never sync"
+            f"ft.sync_steps: steps={config.steps} is not a multiple of ft.sync_steps="
+            f"{config.ft.sync_steps}; in diloco mode the run must end on a sync"
         )
     for key in ("data.tokenizer_path",):
         path = OmegaConf.select(config, key)

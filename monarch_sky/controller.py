@@ -43,6 +43,7 @@ class FaultRecord:
     resumed_at: float | None = None  # a survivor committed a step begun after injection
     rejoined_at: float | None = None  # the respawned group committed a step
     recovered_from: str | None = None  # "peer": weights came live from another group
+    steps_while_down: set[int] = field(default_factory=set)  # committed without the group
 
     def seconds(self, at: float | None) -> float | None:
         return None if at is None else round(at - self.injected_at, 3)
@@ -57,6 +58,7 @@ class FaultRecord:
             "survivors_resumed_s": self.seconds(self.resumed_at),
             "rejoined_s": self.seconds(self.rejoined_at),
             "recovered_from": self.recovered_from,
+            "steps_while_down": len(self.steps_while_down),
         }
 
 
@@ -284,13 +286,18 @@ class Controller:
         now = time.monotonic()
         slot.step = r["step"]
         self.step_seconds = 0.8 * self.step_seconds + 0.2 * r["seconds"]
-        if slot.state == "rejoining" and r["committed"]:
-            self._rejoined(slot, r, now)
-        if r["committed"]:
+        if r["synced"]:
+            if slot.state == "rejoining":
+                self._rejoined(slot, r, now)
             for rec in self.fault_records:
-                if rec.resumed_at is None and rec.fault.replica != slot.index and issued >= rec.injected_at:
+                if rec.fault.replica == slot.index or issued < rec.injected_at or rec.rejoined_at:
+                    continue
+                if r["participants"] < self.cfg.replicas:
+                    rec.steps_while_down.add(r["step"])
+                if rec.resumed_at is None:
                     rec.resumed_at = now
                     self.record.event("survivors_resumed", replica=rec.fault.replica, seconds=rec.seconds(now))
+        if r["committed"]:
             stats = self.steps.setdefault(r["step"], StepStats(first_seen=now))
             stats.losses.append(r["loss"])
             stats.tokens += r["tokens"]

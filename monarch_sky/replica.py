@@ -170,18 +170,16 @@ class ReplicaGroup:
         call = asyncio.ensure_future(_await(future))
         failed = asyncio.ensure_future(self._failed.wait())
         try:
-            done, _ = await asyncio.wait(
-                {call, failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
+            await asyncio.wait({call, failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
             failed.cancel()
-        if call in done:
+            if not call.done():  # abandoned: it may still fail later, harmlessly
+                call.add_done_callback(_consume)
+                call.cancel()
+        if call.done() and not call.cancelled():
             if call.exception() is None:
                 return call.result()
             self.mark_failed(f"{type(call.exception()).__name__}: {call.exception()}")
-        else:
-            call.add_done_callback(_consume)
-            call.cancel()
-            if not done:
-                self.mark_failed(f"no answer within {timeout_s:.0f}s")
+        elif not self._failed.is_set():
+            self.mark_failed(f"no answer within {timeout_s:.0f}s")
         raise GroupFailed(self.failure)

@@ -30,7 +30,8 @@ from monarch_sky.recipes import RECIPES, TrainerSpec
 class StepResult:
     replica: int
     step: int  # committed training steps of this replica group after this call
-    committed: bool
+    committed: bool  # this step's update stands (diloco: until a failed sync rolls it back)
+    synced: bool  # a TorchFT quorum committed this step across groups (diloco: a sync)
     loss: float
     tokens: int  # tokens this group processed in this step
     participants: int  # replica groups in the quorum this step used
@@ -121,7 +122,8 @@ class GroupTrainer:
             self._params, trainer.config.training.max_norm, foreach=True
         )
         trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
-        committed = self._account(synced_before)
+        synced = manager.current_step() > synced_before
+        committed = self._account(synced)
         if committed:
             trainer.lr_schedulers.step()
         healed, self._healed = self._healed, False
@@ -129,6 +131,7 @@ class GroupTrainer:
             replica=self.spec.replica,
             step=self.progress(),
             committed=committed,
+            synced=synced,
             loss=self._group_loss(loss),
             tokens=int(valid_tokens.item()),
             participants=manager.num_participants(),
@@ -136,8 +139,7 @@ class GroupTrainer:
             seconds=time.perf_counter() - start,
         )
 
-    def _account(self, synced_before: int) -> bool:
-        synced = self.manager.current_step() > synced_before
+    def _account(self, synced: bool) -> bool:
         if not self._diloco:
             return synced
         self._inner_steps += 1

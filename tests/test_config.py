@@ -1,0 +1,84 @@
+"""Bad input: exit code 2 and one message naming the field and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cli_env
+from monarch_sky.config import ConfigError, load_job
+from monarch_sky.faults import Fault, FaultSpecError, parse_faults
+
+BAD = [
+    (["replicas=0"], ["replicas", ">= 1"]),
+    (["steps=0"], ["steps", ">= 1"]),
+    (["replicas=abc"], ["replicas", "Integer"]),
+    (["recipe=gpt5"], ["recipe", "gpt5", "llama3_tiny"]),
+    (["bogus=1"], ["bogus", "unknown config key", "replicas"]),
+    (["ft.bogus=1"], ["ft.bogus", "unknown config key", "sync_steps"]),
+    (["faults=kill@20"], ["faults", "KIND@STEP:REPLICA"]),
+    (["faults=kill@x:1"], ["faults", "integers"]),
+    (["faults=meteor@20:1"], ["faults", "meteor", "kill", "segfault"]),
+    (["replicas=2", "faults=kill@20:2"], ["faults", "replica 2", "0..1"]),
+    (["steps=30", "faults=kill@40:1"], ["faults", "step 40", "steps=30"]),
+    (["ft.mode=async"], ["ft.mode", "step", "diloco"]),
+    (["ft.mode=diloco", "steps=25", "ft.sync_steps=10"], ["ft.sync_steps", "multiple"]),
+    (["ft.min_replicas=4"], ["ft.min_replicas", "replicas=3"]),
+    (["replicas"], ["replicas", "KEY=VALUE"]),
+]
+
+
+@pytest.mark.parametrize("overrides,words", BAD, ids=[" ".join(o) for o, _ in BAD])
+def test_cli_rejects_bad_config_before_spawning(tmp_path, overrides, words):
+    proc = subprocess.run(
+        [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", *overrides],
+        cwd=REPO,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    message = proc.stderr.strip()
+    assert len(message.splitlines()) == 1, message
+    for word in words:
+        assert word in message, f"{word!r} not in {message!r}"
+    assert list(tmp_path.iterdir()) == [], "nothing may be created before the config is valid"
+
+
+def test_defaults_are_the_local_demo():
+    job = load_job([])
+    assert (job.config.replicas, job.config.procs_per_replica, job.config.steps) == (3, 2, 100)
+    assert job.faults == [Fault("kill", 40, 1)], "one kill mid-run into replica 1"
+
+
+def test_auto_fault_follows_the_run_length():
+    assert load_job(["steps=50"]).faults == [Fault("kill", 20, 1)]
+    assert load_job(["replicas=1"]).faults == []
+    assert load_job(["faults=none"]).faults == []
+
+
+def test_overrides_reach_nested_settings():
+    job = load_job(["ft.mode=diloco", "ft.sync_steps=5", "training.lr=0.01", "replicas=2"])
+    assert job.config.ft.mode == "diloco"
+    assert job.config.ft.sync_steps == 5
+    assert job.config.training.lr == 0.01
+
+
+def test_fault_spec_round_trips_and_sorts_by_step():
+    faults = parse_faults("segfault@40:0,kill@20:1")
+    assert faults == [Fault("kill", 20, 1), Fault("segfault", 40, 0)]
+    assert ",".join(map(str, faults)) == "kill@20:1,segfault@40:0"
+
+
+@pytest.mark.parametrize("spec", ["kill", "kill@", "kill@1:", "@1:1", "kill@0:1", "kill@1:-1", "kill@1:1:1"])
+def test_malformed_fault_specs_raise(spec):
+    with pytest.raises(FaultSpecError):
+        parse_faults(spec)
+
+
+def test_config_error_is_a_value_error_with_the_field():
+    with pytest.raises(ConfigError, match="^procs_per_replica: must be >= 1"):
+        load_job(["procs_per_replica=0"])
