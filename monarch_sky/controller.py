@@ -126,11 +126,14 @@ class Controller:
                 )
             )
             await self._start_hosts()
+            self._phase(f"starting {len(self.slots)} replica groups (process spawn + imports + trainer build)")
             await _all_or_nothing(self._activate(slot) for slot in self.slots)
             if self.cfg.ft.standby:
+                self._phase("warming a standby process set per group, so recovery skips the imports")
                 for slot in self.slots:
                     self._refill_standby(slot)
                 await asyncio.wait([s.standby for s in self.slots if s.standby is not None])
+            self._phase(f"training {self.target} steps")
             self.record.event("training_started", replicas=len(self.slots))
             await _all_or_nothing(self._drive(slot) for slot in self.slots)
             self._flush_steps(final=True)
@@ -138,6 +141,9 @@ class Controller:
             return self._summary(digests)
         finally:
             await self._shutdown()
+
+    def _phase(self, text: str) -> None:
+        self.display.line(f"[{time.monotonic() - self.start_time:6.1f}s] {text}")
 
     def _start_lighthouse(self) -> None:
         from torchft.coordination import LighthouseServer
@@ -157,6 +163,7 @@ class Controller:
     async def _start_hosts(self) -> None:
         from monarch.actor import attach_to_workers, enable_transport
 
+        self._phase(f"starting {self.cfg.replicas} hosts ({type(self.provider).__name__})")
         hosts = await asyncio.to_thread(self.provider.start, self.cfg.replicas)
         enable_transport(f"tcp://{self.provider.controller_ip()}:0")
         for index, host in enumerate(hosts):
@@ -215,7 +222,7 @@ class Controller:
                 if group is not None:
                     await self._discard(group)
                 self.record.event("replica_start_failed", replica=slot.index, reason=str(e))
-                if not self._may_restart(slot, f"could not start: {_first_line(str(e))}"):
+                if not self._may_restart(slot, f"could not start: {short_reason(str(e))}"):
                     return False
                 continue
             slot.group = group
@@ -264,7 +271,7 @@ class Controller:
             try:
                 result = await call
             except GroupFailed as e:
-                await self._recover(slot, str(e))
+                await self._recover(slot, short_reason(str(e)))
                 continue
             self._on_result(slot, result, issued)
 
@@ -312,12 +319,13 @@ class Controller:
     def _rejoined(self, slot: Slot, r: dict[str, Any], now: float) -> None:
         slot.state = "training"
         source = "peer" if r["healed"] else "scratch"
-        for rec in slot.open_faults:
+        faults, slot.open_faults = slot.open_faults, []
+        for rec in faults:
             rec.rejoined_at, rec.recovered_from = now, source
             self.tracker.note({"fault/rejoined_s": rec.seconds(now)})
-        slot.open_faults.clear()
         self.record.event("replica_rejoined", replica=slot.index, generation=slot.group.generation, step=r["step"], recovered_from=source)
-        self.display.line(f"[replica {slot.index}] rejoined at step {r['step']} (weights from {source})")
+        after = ", ".join(f"{rec.seconds(now):.2f}s after the {rec.fault.kind}" for rec in faults)
+        self.display.line(f"[replica {slot.index}] rejoined at step {r['step']}{', ' + after if after else ''} (weights from {source})")
         self._refill_standby(slot)
 
     def _flush_steps(self, final: bool = False) -> None:
@@ -353,7 +361,7 @@ class Controller:
         group = self.groups.get(owner)
         if group is None or group.failure is not None:
             return
-        group.mark_failed(_first_line(report))
+        group.mark_failed(short_reason(report))
         slot = self.slots[group.index]
         if slot.group is group:
             group.detected = True
@@ -369,7 +377,8 @@ class Controller:
         if not undetected:
             self.unplanned.append({"replica": slot.index, "step": slot.step, "reason": reason})
         self.record.event("failure_detected", replica=slot.index, generation=slot.group.generation, reason=reason, planned=bool(undetected))
-        tag = "" if undetected else " (UNPLANNED)"
+        when = "".join(f", {r.seconds(at):.2f}s after the {r.fault.kind}" for r in undetected)
+        tag = when if undetected else " (UNPLANNED)"
         self.display.line(f"[replica {slot.index}] failed{tag}: {reason}")
 
     async def _recover(self, slot: Slot, reason: str) -> None:
@@ -457,20 +466,7 @@ class Controller:
         return str(self.record.path / "torchtitan" / f"replica_{index}")
 
     def _spec(self, index: int) -> TrainerSpec:
-        cfg = self.cfg
-        return TrainerSpec(
-            recipe=cfg.recipe,
-            replica=index,
-            replicas=cfg.replicas,
-            procs_per_replica=cfg.procs_per_replica,
-            steps=cfg.steps,
-            seed=cfg.seed,
-            training=dict(cfg.training),
-            data=dict(cfg.data),
-            ft=dict(cfg.ft),
-            dump_folder=self._dump_folder(index),
-            platform_kind=self.platform.kind,
-        )
+        return TrainerSpec.from_job(self.cfg, index, self._dump_folder(index), self.platform.kind)
 
     def _proc_env(self) -> dict[str, str]:
         env = {
@@ -502,9 +498,18 @@ async def _all_or_nothing(coros) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return " ".join(lines[:2])[:300] if lines else "unknown failure"
+def short_reason(report: str) -> str:
+    """One line a user can act on, from a Monarch supervision report or an error."""
+    text = str(report)
+    marker = "the process this actor was running on failed:"
+    if marker in text:
+        return "process died: " + text.rsplit(marker, 1)[1].strip().splitlines()[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "unknown failure"
+    if any(line.startswith("Traceback") for line in lines):
+        return lines[-1][:300]  # the exception itself
+    return lines[0][:300]
 
 
 def _mean(values: list[float]) -> float | None:

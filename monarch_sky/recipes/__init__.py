@@ -28,6 +28,23 @@ class TrainerSpec:
     dump_folder: str
     platform_kind: str  # "cpu" | "rocm" | "cuda"
 
+    @classmethod
+    def from_job(cls, cfg, replica: int, dump_folder: str, platform_kind: str) -> "TrainerSpec":
+        """The spec for replica group `replica` of a validated job config."""
+        return cls(
+            recipe=cfg.recipe,
+            replica=replica,
+            replicas=cfg.replicas,
+            procs_per_replica=cfg.procs_per_replica,
+            steps=cfg.steps,
+            seed=cfg.seed,
+            training=dict(cfg.training),
+            data=dict(cfg.data),
+            ft=dict(cfg.ft),
+            dump_folder=dump_folder,
+            platform_kind=platform_kind,
+        )
+
 
 @dataclass(frozen=True)
 class Recipe:
