@@ -75,6 +75,7 @@ class Slot:
     restarts: int = 0
     state: str = "starting"  # starting | training | rejoining | recovering | done | lost
     step: int = 0
+    uncommitted: int = 0  # steps this slot's groups ran that TorchFT did not commit
     open_faults: list[FaultRecord] = field(default_factory=list)  # not yet rejoined
 
 
@@ -137,8 +138,7 @@ class Controller:
             self.record.event("training_started", replicas=len(self.slots))
             await _all_or_nothing(self._drive(slot) for slot in self.slots)
             self._flush_steps(final=True)
-            digests = await self._digests()
-            return self._summary(digests)
+            return self._summary(await self._final_states())
         finally:
             await self._shutdown()
 
@@ -292,6 +292,7 @@ class Controller:
     def _on_result(self, slot: Slot, r: dict[str, Any], issued: float) -> None:
         now = time.monotonic()
         slot.step = r["step"]
+        slot.uncommitted += not r["committed"]
         self.step_seconds = 0.8 * self.step_seconds + 0.2 * r["seconds"]
         if r["synced"]:
             if slot.state == "rejoining":
@@ -409,14 +410,14 @@ class Controller:
 
     # ---- end of run ------------------------------------------------------------------
 
-    async def _digests(self) -> dict[str, str]:
+    async def _final_states(self) -> dict[str, dict[str, Any]]:
         done = [s for s in self.slots if s.state == "done"]
         results = await asyncio.gather(
-            *(s.group.digest(self.cfg.timeouts.step_s) for s in done), return_exceptions=True
+            *(s.group.final_state(self.cfg.timeouts.step_s) for s in done), return_exceptions=True
         )
-        return {str(s.index): d for s, d in zip(done, results) if isinstance(d, str)}
+        return {str(s.index): r for s, r in zip(done, results) if isinstance(r, dict)}
 
-    def _summary(self, digests: dict[str, str]) -> dict[str, Any]:
+    def _summary(self, final: dict[str, dict[str, Any]]) -> dict[str, Any]:
         first = self.steps.get(min(self.steps)) if self.steps else None
         last = self.steps.get(max(self.steps)) if self.steps else None
         return {
@@ -434,7 +435,10 @@ class Controller:
                 "last": _mean(last.losses) if last else None,
             },
             "wall_s": round(time.monotonic() - self.start_time, 3),
-            "final_param_digest": digests,
+            "final_param_digest": {k: v["digest"] for k, v in final.items()},
+            "final_lr": {k: v["lr"] for k, v in final.items()},
+            "scheduler_steps": {k: v["scheduler_steps"] for k, v in final.items()},
+            "uncommitted_steps": {str(s.index): s.uncommitted for s in self.slots},
             "faults": [r.to_summary() for r in self.fault_records],
             "unplanned_failures": self.unplanned,
             "lost_replicas": self.lost,

@@ -2,7 +2,7 @@
 
 An actor mesh of ReplicaActors is one replica group: N processes (N GPUs) training one
 model copy with FSDP, kept in step with the other groups by TorchFT. The controller calls
-the mesh's endpoints (`setup`, `step`, `digest`, `close`); every rank runs them together
+the mesh's endpoints (`warm`, `setup`, `step`, `final_state`, `close`); every rank runs them together
 because the group's FSDP collectives need all of its ranks.
 """
 
@@ -53,8 +53,8 @@ class ReplicaActor(Actor):
         return dataclasses.asdict(self.trainer.step())
 
     @endpoint
-    def digest(self) -> str:
-        return self.trainer.digest()
+    def final_state(self) -> dict:
+        return self.trainer.final_state()
 
     @endpoint
     def close(self) -> None:
@@ -139,8 +139,8 @@ class ReplicaGroup:
     async def step(self, timeout_s: float) -> dict:
         return (await self._call(self.actors.step.call(), timeout_s)).get(0)
 
-    async def digest(self, timeout_s: float) -> str:
-        return (await self._call(self.actors.digest.call(), timeout_s)).get(0)
+    async def final_state(self, timeout_s: float) -> dict:
+        return (await self._call(self.actors.final_state.call(), timeout_s)).get(0)
 
     def inject(self, kind: str, rank: int, delay_s: float) -> None:
         self.fault_actors.slice(gpus=rank).inject.broadcast(kind, delay_s)

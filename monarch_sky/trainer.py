@@ -126,6 +126,7 @@ class GroupTrainer:
         committed = self._account(synced)
         if committed:
             trainer.lr_schedulers.step()
+        self._align_schedule()
         healed, self._healed = self._healed, False
         return StepResult(
             replica=self.spec.replica,
@@ -148,10 +149,34 @@ class GroupTrainer:
             self._inner_steps = 0
         return synced or self._inner_steps > 0
 
+    def _align_schedule(self) -> None:
+        """Keep the LR schedule a function of committed progress.
+
+        Needed after a failed DiLoCo sync, which rolls the weights back over the inner
+        steps since the last sync (torchtitan's scheduler would have kept them).
+        """
+        schedulers = self.trainer.lr_schedulers
+        progress = self.progress()
+        if schedulers.schedulers[0].last_epoch == progress:
+            return
+        schedulers.load_state_dict({"last_epoch": progress})
+        for scheduler in schedulers.schedulers:
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr
+
     def _group_loss(self, loss: torch.Tensor) -> float:
         if self._loss_group is not None:
             torch.distributed.all_reduce(loss, group=self._loss_group)
         return float(loss.item())
+
+    def final_state(self) -> dict:
+        """What the run record keeps of each group at the end (a collective)."""
+        return {
+            "digest": self.digest(),
+            "lr": self.trainer.optimizers.optimizers[0].param_groups[0]["lr"],
+            "scheduler_steps": self.trainer.lr_schedulers.schedulers[0].last_epoch,
+            "step": self.progress(),
+        }
 
     @torch.no_grad()
     def digest(self) -> str:

@@ -59,8 +59,10 @@ def leftovers(before: set[int], grace_s: float = 10.0) -> list[str]:
     deadline = time.monotonic() + grace_s
     while True:
         alive = []
-        for p in psutil.process_iter(["pid", "cmdline", "status"]):
+        for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
             if p.pid in before or p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
+                continue
+            if p.info["ppid"] in (0, 2):  # kernel threads come and go on their own
                 continue
             alive.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
         if not alive or time.monotonic() > deadline:

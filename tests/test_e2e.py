@@ -28,6 +28,8 @@ def assert_recovered(run: Run, kind: str, replica: int, replicas: int) -> dict:
     digests = s["final_param_digest"]
     assert sorted(digests) == [str(i) for i in range(replicas)]
     assert len(set(digests.values())) == 1, f"replicas ended with different weights: {digests}"
+    assert set(s["scheduler_steps"].values()) == {s["committed_steps"]}, "LR schedule counted uncommitted steps"
+    assert len(set(s["final_lr"].values())) == 1
     assert s["checkpoints_written"] == 0
     written = [p for p in run.path.rglob("*") if any(m in p.name for m in CHECKPOINT_MARKS)]
     assert written == [], f"checkpoint files on the recovery path: {written}"
@@ -41,6 +43,7 @@ def test_kill_survivors_train_on_and_replica_heals_from_peer(run_dir):
     run = train(run_dir, "replicas=2", "steps=160", "faults=kill@20:1", "ft.standby=false")
     fault = assert_recovered(run, "kill", replica=1, replicas=2)
     assert fault["steps_while_down"] > 0, "survivors committed no step while the replica was down"
+    assert run.summary["uncommitted_steps"]["0"] > 0, "the kill should have failed a survivor's step"
     events = [e["event"] for e in run.events]
     assert events.index("fault_injected") < events.index("failure_detected") < events.index("replica_rejoined")
 
