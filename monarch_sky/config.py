@@ -63,6 +63,9 @@ class TimeoutSettings:
 @dataclass
 class HostSettings:
     provider: str = "local"  # "local": one worker-loop process per replica group
+    provision_delay_s: float = 3.0  # local: how long a replacement host takes to "boot"
+    provision_timeout_s: float = 600.0  # give up on a replacement host after this
+    max_replacements: int = 3  # local: replacement hosts available to the run
 
 
 @dataclass

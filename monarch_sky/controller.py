@@ -23,8 +23,8 @@ from typing import Any
 from monarch_sky import platform as platform_mod
 from monarch_sky import supervision
 from monarch_sky.config import Job
-from monarch_sky.faults import Fault
-from monarch_sky.hosts import Host, HostProvider, LocalHosts, reap_run
+from monarch_sky.faults import PROCESS_KINDS, Fault
+from monarch_sky.hosts import Host, HostError, HostProvider, LocalHosts, reap_run
 from monarch_sky.progress import Display
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.replica import GroupFailed, ReplicaGroup
@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class FaultRecord:
     fault: Fault
-    rank: int
+    rank: int | None  # None: the whole host
     injected_at: float  # time.monotonic()
     detected_at: float | None = None
     resumed_at: float | None = None  # a survivor committed a step begun after injection
@@ -113,6 +113,7 @@ class Controller:
         self.lighthouse_address = ""
         self.router: supervision.FailureRouter | None = None
         self.groups: dict[str, ReplicaGroup] = {}  # every live generation, standbys too
+        self.background: set[asyncio.Task] = set()
         self.start_time = time.monotonic()
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -161,16 +162,22 @@ class Controller:
         self.record.event("lighthouse_started", address=self.lighthouse_address)
 
     async def _start_hosts(self) -> None:
-        from monarch.actor import attach_to_workers, enable_transport
+        from monarch.actor import enable_transport
 
         self._phase(f"starting {self.cfg.replicas} hosts ({type(self.provider).__name__})")
         hosts = await asyncio.to_thread(self.provider.start, self.cfg.replicas)
         enable_transport(f"tcp://{self.provider.controller_ip()}:0")
         for index, host in enumerate(hosts):
-            mesh = attach_to_workers(name=f"host-{host.name}", ca="trust_all_connections", workers=[host.address])
-            await asyncio.wait_for(_await(mesh.initialized), self.cfg.timeouts.spawn_s)
-            self.slots.append(Slot(index=index, host=host, host_mesh=mesh))
+            self.slots.append(Slot(index=index, host=host, host_mesh=await self._attach(host)))
         self.record.event("hosts_ready", hosts=[h.address for h in hosts])
+
+    async def _attach(self, host: Host):
+        """Each host is its own HostMesh: a dead host never blocks the others' meshes."""
+        from monarch.actor import attach_to_workers
+
+        mesh = attach_to_workers(name=f"host-{host.name}", ca="trust_all_connections", workers=[host.address])
+        await asyncio.wait_for(_await(mesh.initialized), self.cfg.timeouts.spawn_s)
+        return mesh
 
     # ---- generations: spawn (warm standby) -> setup (training) -> discard ------------------
 
@@ -191,6 +198,23 @@ class Controller:
         self.router.unwatch(group.owner)
         self.groups.pop(group.owner, None)
         await group.stop(self.cfg.timeouts.stop_s)
+
+    def _abandon(self, group: ReplicaGroup) -> None:
+        """Forget a group on a dead host: stopping a mesh there would hang."""
+        self.router.unwatch(group.owner)
+        self.groups.pop(group.owner, None)
+        group.proc_mesh = None
+
+    def _abandon_standby(self, slot: Slot) -> None:
+        """The standby shared the dead host: drop it without waiting on that host."""
+        task, slot.standby = slot.standby, None
+        if task is None:
+            return
+        if task.done() and not task.cancelled() and task.exception() is None:
+            self._abandon(task.result())
+        else:
+            task.cancel()  # its cleanup waits on the dead host, bounded by timeouts.stop_s
+            self.background.add(task)
 
     def _refill_standby(self, slot: Slot) -> None:
         if self.cfg.ft.standby and not self.finishing and slot.standby is None:
@@ -280,14 +304,24 @@ class Controller:
             if fault.replica != slot.index or self.run_step < fault.step:
                 continue
             self.pending_faults.remove(fault)
-            rank = self.rng.randrange(self.cfg.procs_per_replica)
             delay = 0.5 * self.step_seconds  # land inside the step, as real failures do
-            group.inject(fault.kind, rank, delay)
+            if fault.kind in PROCESS_KINDS:
+                rank = self.rng.randrange(self.cfg.procs_per_replica)
+                group.inject(fault.kind, rank, delay)
+                target = f"replica {slot.index} rank {rank}"
+            else:
+                rank = None
+                asyncio.get_running_loop().call_later(delay, self._kill_host, slot.host)
+                target = f"replica {slot.index}'s host {slot.host.name}"
             rec = FaultRecord(fault, rank, injected_at=time.monotonic() + delay)
             self.fault_records.append(rec)
             slot.open_faults.append(rec)
             self.record.event("fault_injected", kind=fault.kind, replica=slot.index, rank=rank, step=self.run_step)
-            self.display.line(f"[fault] {fault.kind} -> replica {slot.index} rank {rank} at step {self.run_step}")
+            self.display.line(f"[fault] {fault.kind} -> {target} at step {self.run_step}")
+
+    def _kill_host(self, host: Host) -> None:
+        task = asyncio.ensure_future(asyncio.to_thread(self.provider.kill, host))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     def _on_result(self, slot: Slot, r: dict[str, Any], issued: float) -> None:
         now = time.monotonic()
@@ -388,10 +422,16 @@ class Controller:
             group.detected = True
             self._note_detection(slot, reason, time.monotonic())
         slot.state = "recovering"
-        began = time.monotonic()
-        await self._discard(group)
         slot.group = None
-        self.record.event("replica_stopped", replica=slot.index, generation=group.generation, seconds=round(time.monotonic() - began, 3))
+        if await asyncio.to_thread(self.provider.alive, slot.host):
+            began = time.monotonic()
+            await self._discard(group)
+            self.record.event("replica_stopped", replica=slot.index, generation=group.generation, seconds=round(time.monotonic() - began, 3))
+        else:
+            self._abandon(group)
+            self._abandon_standby(slot)
+            if not await self._replace_host(slot):
+                return
         if not self._may_restart(slot, reason) or not await self._activate(slot):
             return
         if self.finishing:
@@ -399,6 +439,27 @@ class Controller:
             return
         slot.state = "rejoining"
         self.display.line(f"[replica {slot.index}] respawned as generation {slot.group.generation}, rejoining")
+
+    async def _replace_host(self, slot: Slot) -> bool:
+        lost = slot.host
+        self.record.event("host_lost", replica=slot.index, host=lost.address)
+        self.display.line(f"[replica {slot.index}] host {lost.name} ({lost.address}) is gone; asking for a replacement")
+        began = time.monotonic()
+        try:
+            host = await asyncio.wait_for(
+                asyncio.to_thread(self.provider.replace, lost), self.cfg.hosts.provision_timeout_s
+            )
+            mesh = await self._attach(host)
+        except (HostError, asyncio.TimeoutError, OSError) as e:
+            reason = str(e) or f"no replacement host within {self.cfg.hosts.provision_timeout_s:.0f}s"
+            self.record.event("host_replacement_failed", replica=slot.index, reason=reason)
+            self._lose(slot, f"host {lost.name} was lost and no replacement came: {reason}")
+            return False
+        slot.host, slot.host_mesh = host, mesh
+        seconds = round(time.monotonic() - began, 3)
+        self.record.event("host_replaced", replica=slot.index, host=host.address, seconds=seconds)
+        self.display.line(f"[replica {slot.index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
+        return True
 
     async def _retire(self, slot: Slot, reason: str) -> None:
         group = slot.group
@@ -453,7 +514,9 @@ class Controller:
             if slot.standby is not None:
                 slot.standby.cancel()
         standbys = [s.standby for s in self.slots if s.standby is not None]
-        await asyncio.gather(*standbys, return_exceptions=True)
+        for task in self.background:
+            task.cancel()
+        await asyncio.gather(*standbys, *self.background, return_exceptions=True)
         await asyncio.gather(
             *(g.close(self.cfg.timeouts.stop_s) for g in list(self.groups.values())),
             return_exceptions=True,
@@ -543,7 +606,12 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     if provider is None:
         hosts_log = record.path / "hosts"
         hosts_log.mkdir(exist_ok=True)
-        provider = LocalHosts(run_id, log_dir=str(hosts_log))
+        provider = LocalHosts(
+            run_id,
+            log_dir=str(hosts_log),
+            provision_delay_s=cfg.hosts.provision_delay_s,
+            max_replacements=cfg.hosts.max_replacements,
+        )
     controller = Controller(job, provider, record, tracker, display)
     try:
         summary = asyncio.run(controller.run())

@@ -1,7 +1,8 @@
 """Fault injection: the `KIND@STEP:REPLICA` spec and the actor that carries faults out.
 
 `faults=kill@20:1,segfault@40:0` injects a SIGKILL into one trainer process of replica 1
-once the run has committed 20 steps, and a segfault into replica 0 at step 40. The
+once the run has committed 20 steps, and a segfault into replica 0 at step 40;
+`host@30:2` takes down the whole host of replica 2 (the host provider does that one). The
 syntax is stable: other tooling writes it.
 """
 
@@ -19,7 +20,9 @@ from monarch.actor import Actor, endpoint
 KINDS = {
     "kill": "SIGKILL of one trainer process of the replica",
     "segfault": "segmentation fault in one trainer process of the replica",
+    "host": "loss of the replica's whole host (its worker loop and every process on it)",
 }
+PROCESS_KINDS = ("kill", "segfault")  # injected by the FaultActor inside the group
 
 
 class FaultSpecError(ValueError):

@@ -7,12 +7,16 @@ Monarch HostMesh, so that losing one host never touches the meshes of the others
 Providers:
 - `LocalHosts`: this machine; each host is a worker-loop process on loopback, in its own
   process session so it can be killed alone (as a preemption would) and reaped whole.
+  Asked for a replacement, it plays a cloud: a new worker after `provision_delay_s`.
+- `AddressListHosts`: a fixed list of `IP:PORT` workers (a SkyPilot cluster's nodes, started
+  by `sky/bootstrap.sh`); addresses beyond the first `count` are spares for replacements.
 """
 
 from __future__ import annotations
 
 import abc
 import os
+import threading
 import signal
 import socket
 import subprocess
@@ -53,27 +57,65 @@ class HostProvider(abc.ABC):
     def controller_ip(self) -> str:
         """The address the hosts reach the controller (and the lighthouse) on."""
 
+    @abc.abstractmethod
+    def replace(self, lost: Host) -> Host:
+        """A new host, worker listening, for the group that ran on `lost`.
+
+        Blocks while capacity is provisioned; raises HostError when there is none. The
+        controller bounds the wait with `hosts.provision_timeout_s`.
+        """
+
     def kill(self, host: Host) -> None:
         """Take a host down abruptly (fault injection)."""
         raise HostError(f"{type(self).__name__} cannot kill host {host.name}")
 
+    def alive(self, host: Host, timeout_s: float = 2.0) -> bool:
+        """Whether the host's worker still accepts connections."""
+        try:
+            with socket.create_connection((host.ip, host.port), timeout=timeout_s):
+                return True
+        except OSError:
+            return False
+
 
 class LocalHosts(HostProvider):
-    def __init__(self, run_id: str, env: dict[str, str] | None = None, log_dir: str | None = None):
+    def __init__(
+        self,
+        run_id: str,
+        log_dir: str | None = None,
+        provision_delay_s: float = 3.0,
+        max_replacements: int = 3,
+    ):
         self.run_id = run_id
-        self.env = env or {}
         self.log_dir = log_dir
+        self.provision_delay_s = provision_delay_s
+        self.max_replacements = max_replacements
         self.procs: dict[str, subprocess.Popen] = {}
+        self._launched = 0
+        self._replacements = 0
+        self._closed = threading.Event()
 
     def start(self, count: int) -> list[Host]:
-        hosts = [self._launch(f"local-{i}") for i in range(count)]
+        hosts = [self._launch() for _ in range(count)]
         for host in hosts:
             _wait_listening(host, self.procs[host.name], timeout_s=60)
         return hosts
 
-    def _launch(self, name: str) -> Host:
+    def replace(self, lost: Host) -> Host:
+        if self._replacements >= self.max_replacements:
+            raise HostError(f"no capacity: all {self.max_replacements} replacement hosts used (hosts.max_replacements)")
+        self._replacements += 1
+        if self._closed.wait(self.provision_delay_s):  # provisioning, as a cloud would
+            raise HostError("the run is shutting down")
+        host = self._launch()
+        _wait_listening(host, self.procs[host.name], timeout_s=60)
+        return host
+
+    def _launch(self) -> Host:
+        name = f"local-{self._launched}"
+        self._launched += 1
         host = Host(name=name, ip="127.0.0.1", port=free_port())
-        env = {**os.environ, **self.env, RUN_ID_ENV: self.run_id}
+        env = {**os.environ, RUN_ID_ENV: self.run_id}
         log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else subprocess.DEVNULL
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "monarch_sky", "worker", "--address", host.address],
@@ -93,10 +135,60 @@ class LocalHosts(HostProvider):
         _kill_session(self.procs[host.name])
 
     def shutdown(self) -> None:
+        self._closed.set()
         for proc in self.procs.values():
             _kill_session(proc)
         self.procs.clear()
         reap_run(self.run_id)
+
+
+class AddressListHosts(HostProvider):
+    """Workers at fixed addresses, already running (started by the node bootstrap)."""
+
+    def __init__(self, addresses: list[str], controller_ip: str, wait_s: float = 300.0):
+        self.hosts = [parse_address(a, name=f"node-{i}") for i, a in enumerate(addresses)]
+        self._controller_ip = controller_ip
+        self.wait_s = wait_s
+        self._spares: list[Host] = []
+        self._closed = threading.Event()
+
+    def start(self, count: int) -> list[Host]:
+        if count > len(self.hosts):
+            raise HostError(f"{count} replica groups need {count} hosts, but only {len(self.hosts)} addresses were given")
+        for host in self.hosts:
+            self._wait_up(host)
+        self._spares = self.hosts[count:]
+        return self.hosts[:count]
+
+    def replace(self, lost: Host) -> Host:
+        """A spare if there is one, else the lost address once its worker is back."""
+        if self._spares:
+            return self._spares.pop(0)
+        self._wait_up(lost)
+        return lost
+
+    def _wait_up(self, host: Host) -> None:
+        deadline = time.monotonic() + self.wait_s
+        while not self.alive(host):
+            if time.monotonic() > deadline:
+                raise HostError(f"no worker listening at {host.address} within {self.wait_s:.0f}s")
+            if self._closed.wait(1.0):
+                raise HostError("the run is shutting down")
+
+    def controller_ip(self) -> str:
+        return self._controller_ip
+
+    def shutdown(self) -> None:
+        self._closed.set()  # the workers belong to the nodes; Monarch stops our processes
+
+
+def parse_address(address: str, name: str) -> Host:
+    """`IP:PORT` or `tcp://IP:PORT` -> Host."""
+    text = address.strip().removeprefix("tcp://")
+    ip, sep, port = text.rpartition(":")
+    if not sep or not ip or not port.isdigit():
+        raise HostError(f"'{address}' is not IP:PORT")
+    return Host(name=name, ip=ip, port=int(port))
 
 
 def _kill_session(proc: subprocess.Popen) -> None:

@@ -33,36 +33,44 @@ class Run:
         return [json.loads(line) for line in lines if line.strip()]
 
 
-def cli_env() -> dict[str, str]:
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+TAG_ENV = "MONARCH_SKY_TEST_TAG"
+
+
+def cli_env(tag: str = "") -> dict[str, str]:
+    """The CLI's environment; every process it starts inherits `tag`, so tests can find them."""
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", TAG_ENV: tag}
     env.pop("WANDB_API_KEY", None)
     return env
 
 
+def new_tag() -> str:
+    return f"t{os.getpid()}-{time.monotonic_ns()}"
+
+
 def train(tmp_path: Path, *overrides: str, timeout_s: float = 600) -> Run:
     """Run `monarch-sky train` to completion and report what it left running."""
-    run_id = f"t{os.getpid()}-{int(time.time() * 1000) % 10**8}"
-    before = {p.pid for p in psutil.process_iter()}
+    tag = new_tag()
     proc = subprocess.run(
-        [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", f"run_id={run_id}", *overrides],
+        [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", f"run_id={tag}", *overrides],
         cwd=REPO,
-        env=cli_env(),
+        env=cli_env(tag),
         capture_output=True,
         text=True,
         timeout=timeout_s,
     )
-    return Run(proc.returncode, proc.stdout + proc.stderr, tmp_path / run_id, leftovers(before))
+    return Run(proc.returncode, proc.stdout + proc.stderr, tmp_path / tag, leftovers(tag))
 
 
-def leftovers(before: set[int], grace_s: float = 10.0) -> list[str]:
-    """Processes started since `before` that are still alive (after a short grace period)."""
+def leftovers(tag: str, grace_s: float = 10.0) -> list[str]:
+    """Processes carrying `tag` in their environment still alive (after a short grace)."""
     deadline = time.monotonic() + grace_s
     while True:
         alive = []
-        for p in psutil.process_iter(["pid", "ppid", "cmdline", "status"]):
-            if p.pid in before or p.pid == os.getpid() or p.info["status"] == psutil.STATUS_ZOMBIE:
-                continue
-            if p.info["ppid"] in (0, 2):  # kernel threads come and go on their own
+        for p in psutil.process_iter(["pid", "cmdline", "status"]):
+            try:
+                if p.info["status"] == psutil.STATUS_ZOMBIE or p.environ().get(TAG_ENV) != tag:
+                    continue
+            except (psutil.Error, OSError):
                 continue
             alive.append(f"{p.pid}: {' '.join(p.info['cmdline'] or [])[:200]}")
         if not alive or time.monotonic() > deadline:

@@ -8,9 +8,7 @@ import subprocess
 import sys
 import time
 
-import psutil
-
-from conftest import REPO, cli_env, leftovers
+from conftest import REPO, cli_env, leftovers, new_tag
 
 
 def wait_for_event(path, name: str, timeout_s: float) -> None:
@@ -25,11 +23,11 @@ def wait_for_event(path, name: str, timeout_s: float) -> None:
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    before = {p.pid for p in psutil.process_iter()}
+    tag = new_tag()
     proc = subprocess.Popen(
         [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", "run_id=ctrlc",
          "replicas=2", "steps=10000", "faults=none", "ft.standby=false"],
-        cwd=REPO, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env=cli_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         wait_for_event(tmp_path / "ctrlc" / "events.jsonl", "training_started", timeout_s=300)
@@ -41,4 +39,4 @@ def test_ctrl_c_stops_every_process(tmp_path):
             proc.kill()
     assert proc.returncode == 130, output[-3000:]
     assert "interrupted" in output
-    assert leftovers(before) == []
+    assert leftovers(tag) == []
