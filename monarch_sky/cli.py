@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-EXIT_CONFIG = 2
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
@@ -38,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(overrides: list[str]) -> int:
-    from monarch_sky.config import ConfigError, load_job
+    from monarch_sky.config import EXIT_CONFIG, ConfigError, load_job
 
     try:
         job = load_job(overrides)

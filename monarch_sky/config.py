@@ -21,6 +21,9 @@ from monarch_sky.recipes import RECIPES
 ASSETS = Path(__file__).resolve().parent / "assets"
 
 
+EXIT_CONFIG = 2  # exit code for a config error
+
+
 class ConfigError(ValueError):
     pass
 

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import os
 import random
-import signal
+import sys
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -22,16 +22,26 @@ from typing import Any
 
 from monarch_sky import platform as platform_mod
 from monarch_sky import supervision
-from monarch_sky.config import Job
+from monarch_sky.config import EXIT_CONFIG, Job
 from monarch_sky.faults import PROCESS_KINDS, Fault
-from monarch_sky.hosts import Host, HostError, HostProvider, LocalHosts, reap_run
+from monarch_sky.hosts import (
+    CONTROLLER_ENV,
+    RUN_ID_ENV,
+    Host,
+    HostError,
+    HostProvider,
+    LocalHosts,
+    reap_run,
+)
 from monarch_sky.progress import Display
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.replica import GroupFailed, ReplicaGroup
 from monarch_sky.trainer import checkpoint_files
-from monarch_sky.tracking import RunRecord, Tracker
+from monarch_sky.tracking import RunRecord, Tracker, previous_attempt
 
 log = logging.getLogger(__name__)
+
+EVERYTHING = (RUN_ID_ENV, CONTROLLER_ENV)  # hosts, trainers and the controller's helpers
 
 
 @dataclass
@@ -115,6 +125,7 @@ class Controller:
         self.groups: dict[str, ReplicaGroup] = {}  # every live generation, standbys too
         self.background: set[asyncio.Task] = set()
         self.start_time = time.monotonic()
+        self.previous_controller: dict[str, Any] | None = None  # set when a run id is resumed
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -137,7 +148,10 @@ class Controller:
                 await asyncio.wait([s.standby for s in self.slots if s.standby is not None])
             self._phase(f"training {self.target} steps")
             self.record.event("training_started", replicas=len(self.slots))
+            watchdog = asyncio.ensure_future(self._watch_hosts())
+            self.background.add(watchdog)
             await _all_or_nothing(self._drive(slot) for slot in self.slots)
+            watchdog.cancel()
             self._flush_steps(final=True)
             return self._summary(await self._final_states())
         finally:
@@ -383,6 +397,8 @@ class Controller:
                 },
                 step=step,
             )
+            if step % max(1, self.target // 20) == 0:
+                self.record.event("progress", step=step, loss=round(loss, 4))
             self.display.status(
                 step, loss, tps, stats.quorum, len(self.slots),
                 sum(s.state in ("training", "done") for s in self.slots),
@@ -391,6 +407,21 @@ class Controller:
         self.logged_step = max(self.logged_step, last)
 
     # ---- failures ------------------------------------------------------------------
+
+    async def _watch_hosts(self, every_s: float = 1.0) -> None:
+        """Notice a dead host in about a second: Monarch takes several to give up on it.
+
+        A probe is a TCP connect to the host's worker; the kernel answers it however busy the
+        worker is, so a refused or timed-out connect means the host (or its worker) is gone.
+        """
+        while True:
+            await asyncio.sleep(every_s)
+            watched = [s for s in self.slots if s.group is not None and s.group.failure is None]
+            alive = await asyncio.gather(*(asyncio.to_thread(self.provider.alive, s.host, every_s) for s in watched))
+            for slot, ok in zip(watched, alive):
+                group = slot.group
+                if not ok and group is not None and group.failure is None:
+                    self._on_failure(group.owner, f"host {slot.host.name} ({slot.host.address}) is unreachable", time.monotonic())
 
     def _on_failure(self, owner: str, report: str, at: float) -> None:
         group = self.groups.get(owner)
@@ -504,6 +535,7 @@ class Controller:
             "unplanned_failures": self.unplanned,
             "lost_replicas": self.lost,
             "restarts": {str(s.index): s.restarts for s in self.slots},
+            "previous_controller": self.previous_controller,
         }
 
     def _checkpoints_written(self) -> int:
@@ -576,7 +608,12 @@ def short_reason(report: str) -> str:
         return "unknown failure"
     if any(line.startswith("Traceback") for line in lines):
         return lines[-1][:300]  # the exception itself
-    return lines[0][:300]
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        first = f"{first} {lines[1]}"
+    if "> has status:" in first:  # "... actor <root>.<...> has status: <status>"
+        return "actor " + first.rsplit("> has status:", 1)[1].strip()[:280]
+    return first[:300]
 
 
 def _mean(values: list[float]) -> float | None:
@@ -594,9 +631,24 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     cfg = job.config
     run_id = cfg.run_id or new_run_id(cfg.recipe)
     cfg.run_id = run_id
-    record = RunRecord(cfg.run_dir, run_id)
-    record.event("run_started", config=job.to_dict())
+    try:
+        previous = previous_attempt(cfg.run_dir, run_id)
+    except FileExistsError as e:
+        print(f"monarch-sky: config error: run_id: {e}; pick another run_id", file=sys.stderr)
+        return EXIT_CONFIG
     display = Display(cfg.steps)
+    if previous is not None:
+        previous["reaped_processes"] = reap_run(run_id, EVERYTHING)
+        display.line(
+            f"monarch-sky: run {run_id} lost its previous controller at step {previous['last_step']} "
+            f"(last recorded); reaped {previous['reaped_processes']} processes it left behind. "
+            f"There is no checkpoint, so those {previous['last_step']} steps are lost: "
+            "training starts again from step 0."
+        )
+    record = RunRecord(cfg.run_dir, run_id)
+    if previous is not None:
+        record.event("controller_restarted", **previous)
+    record.event("run_started", config=job.to_dict())
     faults = ", ".join(map(str, job.faults)) or "none"
     display.line(
         f"monarch-sky run {run_id}: {cfg.recipe}, {cfg.replicas} replica groups x "
@@ -613,8 +665,13 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
             max_replacements=cfg.hosts.max_replacements,
         )
     controller = Controller(job, provider, record, tracker, display)
+    controller.previous_controller = previous
     try:
         summary = asyncio.run(controller.run())
+        record.write_summary(summary)
+        tracker.finish(summary)
+        display.finish(summary, str(record.path), tracker.location)
+        return 0 if summary["committed_steps"] >= cfg.steps else 1
     except KeyboardInterrupt:
         record.event("interrupted")
         display.line("interrupted: stopped every process of the run")
@@ -625,9 +682,5 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         log.debug("run failed", exc_info=True)
         return 1
     finally:
-        reap_run(run_id)
+        reap_run(run_id, EVERYTHING)
         record.close()
-    record.write_summary(summary)
-    tracker.finish(summary)
-    display.finish(summary, str(record.path), tracker.location)
-    return 0 if summary["committed_steps"] >= cfg.steps else 1

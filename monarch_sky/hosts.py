@@ -24,7 +24,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-RUN_ID_ENV = "MONARCH_SKY_RUN_ID"
+RUN_ID_ENV = "MONARCH_SKY_RUN_ID"  # set on hosts: they and all they start carry it
+CONTROLLER_ENV = "MONARCH_SKY_CONTROLLER_RUN"  # set on the controller: its helpers (W&B) carry it
 
 
 @dataclass(frozen=True)
@@ -222,25 +223,26 @@ def _wait_listening(host: Host, proc: subprocess.Popen, timeout_s: float) -> Non
     raise HostError(f"worker for host {host.name} did not listen on {host.address} within {timeout_s:.0f}s")
 
 
-def run_processes(run_id: str) -> list:
+def run_processes(run_id: str, keys: tuple[str, ...] = (RUN_ID_ENV,)) -> list:
     """Processes of this machine started for a run (they carry its id in their environment)."""
     import psutil
 
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get(RUN_ID_ENV) == run_id:
-                found.append(proc)
+            env = proc.environ()
         except (psutil.Error, OSError):
             continue
+        if any(env.get(key) == run_id for key in keys):
+            found.append(proc)
     return found
 
 
-def reap_run(run_id: str, timeout_s: float = 10.0) -> int:
-    """SIGKILL whatever is left of a run on this machine; returns how many were killed."""
+def reap_run(run_id: str, keys: tuple[str, ...] = (RUN_ID_ENV,), timeout_s: float = 10.0) -> int:
+    """SIGKILL whatever is left of a run on this machine (never this process); returns how many."""
     import psutil
 
-    procs = [p for p in run_processes(run_id) if p.pid != os.getpid()]
+    procs = [p for p in run_processes(run_id, keys) if p.pid != os.getpid()]
     for proc in procs:
         try:
             proc.kill()

@@ -44,6 +44,31 @@ class RunRecord:
         self._events.close()
 
 
+def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
+    """What an earlier controller of this run id left: None if there was none.
+
+    A run whose events exist but whose summary does not lost its controller (killed, or
+    its machine died). Raises FileExistsError if the run id already finished.
+    """
+    path = Path(run_dir) / run_id
+    if (path / "summary.json").exists():
+        raise FileExistsError(f"run {run_id} already finished ({path / 'summary.json'})")
+    events_path = path / "events.jsonl"
+    if not events_path.exists():
+        return None
+    events = []
+    for line in events_path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except ValueError:  # the last line may be cut off
+            continue
+    steps = [e["step"] for e in events if e.get("event") == "progress"]
+    return {
+        "last_step": max(steps, default=0),
+        "faults_injected": sum(e.get("event") == "fault_injected" for e in events),
+    }
+
+
 def wandb_mode(setting: str) -> str:
     if setting == "auto":
         return "online" if os.environ.get("WANDB_API_KEY") else "offline"

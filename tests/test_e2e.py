@@ -60,3 +60,31 @@ def test_diloco_heals_at_the_next_sync(run_dir):
     run = train(run_dir, "replicas=2", "steps=40", "ft.mode=diloco", "ft.sync_steps=5", "faults=kill@15:0")
     assert_recovered(run, "kill", replica=0, replicas=2)
     assert run.summary["ft_mode"] == "diloco"
+
+
+def test_host_loss_replacement_host_rejoins_from_peer(run_dir):
+    run = train(run_dir, "replicas=2", "steps=200", "faults=host@20:1", "hosts.provision_delay_s=2")
+    fault = assert_recovered(run, "host", replica=1, replicas=2)
+    assert fault["rank"] is None, "a host fault takes every rank"
+    assert fault["steps_while_down"] > 0, "survivors committed no step while the host was gone"
+    [replaced] = [e for e in run.events if e["event"] == "host_replaced"]
+    [lost] = [e for e in run.events if e["event"] == "host_lost"]
+    assert replaced["host"] != lost["host"], "the group moved to a new host"
+
+
+def test_replacement_host_never_arrives_training_finishes_without_it(run_dir):
+    run = train(
+        run_dir, "replicas=2", "steps=60", "faults=host@15:1",
+        "hosts.provision_delay_s=600", "hosts.provision_timeout_s=2",
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert s["committed_steps"] == 60
+    assert s["unplanned_failures"] == []
+    [lost] = s["lost_replicas"]
+    assert lost["replica"] == 1 and "no replacement" in lost["reason"]
+    [fault] = s["faults"]
+    assert fault["rejoined_s"] is None and fault["recovered_from"] is None
+    assert list(s["final_param_digest"]) == ["0"], "only the survivor finished"
+    assert "replica 1 was lost" in run.output
+    assert run.leftovers == [], run.leftovers
