@@ -270,7 +270,7 @@ class Controller:
                 generation=group.generation,
                 from_standby=warm,
                 seconds=round(time.monotonic() - began, 3),
-                pid=info["pid"],
+                **group.timings,
             )
             return True
 

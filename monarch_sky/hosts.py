@@ -6,7 +6,8 @@ Monarch HostMesh, so that losing one host never touches the meshes of the others
 
 Providers:
 - `LocalHosts`: this machine; each host is a worker-loop process on loopback, in its own
-  process session so it can be killed alone (as a preemption would) and reaped whole.
+  process group (out of reach of the terminal's Ctrl-C, which the controller handles), so it
+  can be killed alone with everything it started, as a preemption would.
   Asked for a replacement, it plays a cloud: a new worker after `provision_delay_s`.
 - `AddressListHosts`: a fixed list of `IP:PORT` workers (a SkyPilot cluster's nodes, started
   by `sky/bootstrap.sh`); addresses beyond the first `count` are spares for replacements.
@@ -17,7 +18,6 @@ from __future__ import annotations
 import abc
 import os
 import threading
-import signal
 import socket
 import subprocess
 import sys
@@ -123,7 +123,10 @@ class LocalHosts(HostProvider):
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,
-            start_new_session=True,
+            # Its own process group, but the controller's session: separate sessions would
+            # put each host in its own scheduler autogroup, and on a shared CPU a recovering
+            # host would then get only its 1/N share however idle its priority allows.
+            **({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}),
         )
         if log is not subprocess.DEVNULL:
             log.close()
@@ -133,12 +136,12 @@ class LocalHosts(HostProvider):
         return "127.0.0.1"
 
     def kill(self, host: Host) -> None:
-        _kill_session(self.procs[host.name])
+        _kill_tree(self.procs[host.name])
 
     def shutdown(self) -> None:
         self._closed.set()
         for proc in self.procs.values():
-            _kill_session(proc)
+            _kill_tree(proc)
         self.procs.clear()
         reap_run(self.run_id)
 
@@ -192,12 +195,21 @@ def parse_address(address: str, name: str) -> Host:
     return Host(name=name, ip=ip, port=int(port))
 
 
-def _kill_session(proc: subprocess.Popen) -> None:
-    """SIGKILL the worker and every process it started (they share its session)."""
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the worker and every process it started."""
+    import psutil
+
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
+        victims = [psutil.Process(proc.pid)]
+        victims += victims[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        victims = []
+    for victim in victims:
+        try:
+            victim.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=10)
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:

@@ -102,6 +102,27 @@ def prepare_torchtitan(platform: Platform) -> None:
         import torchtitan.tools.utils  # noqa: F401
 
 
+TRAINING_NICENESS = 5
+
+
+def yield_cpu_to_recovery(kind: str) -> None:
+    """On CPU hosts, trainers run below the priority of processes still starting up.
+
+    Groups share the CPU cores there, and a recovering group spends its first seconds
+    importing torch and torchtitan: at equal priority the busy survivors slow that 3x.
+    Called once a trainer is built (niceness can only go up without privileges). On GPU
+    hosts the trainers wait on the accelerator, so nothing changes.
+    """
+    if kind != "cpu":
+        return
+    # Linux applies niceness per thread: renice every thread of this process.
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), TRAINING_NICENESS)
+        except (PermissionError, ProcessLookupError):
+            pass
+
+
 def cpu_thread_env() -> dict[str, str]:
     """Environment for trainer processes: one math thread each, since several share a host."""
     return {"OMP_NUM_THREADS": os.environ.get("MONARCH_SKY_OMP_THREADS", "1")}

@@ -16,6 +16,7 @@ import time
 
 from monarch.actor import Actor, endpoint
 
+from monarch_sky import platform as platform_mod
 from monarch_sky.recipes import TrainerSpec
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,7 @@ class ReplicaActor(Actor):
         from monarch_sky.trainer import GroupTrainer
 
         self.trainer = GroupTrainer(self.spec)
+        platform_mod.yield_cpu_to_recovery(self.spec.platform_kind)
         return {"pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start}
 
     @endpoint
@@ -104,6 +106,7 @@ class ReplicaGroup:
         self.proc_mesh = None
         self.actors = None
         self.fault_actors = None
+        self.timings: dict[str, float] = {}  # boot_s, import_s (per rank, max), build_s
 
     def mark_failed(self, report: str) -> None:
         if self.failure is None:
@@ -121,9 +124,13 @@ class ReplicaGroup:
             name=self.owner,
             bootstrap_command=default_bootstrap_cmd().with_env(env),
         )
+        began = time.monotonic()
         self.fault_actors = self.proc_mesh.spawn(f"{self.owner}-fault", FaultActor)
+        await self._call(self.fault_actors.pid.call(), timeout_s)
+        self.timings["boot_s"] = round(time.monotonic() - began, 3)
         self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor, spec, lighthouse)
-        await self._call(self.actors.warm.call(), timeout_s)
+        imports = await self._call(self.actors.warm.call(), timeout_s)
+        self.timings["import_s"] = round(max(imports.values()), 3)
 
     async def setup(self, timeout_s: float) -> dict:
         """Build the trainer on every rank; the group joins TorchFT on its first step."""
@@ -134,7 +141,9 @@ class ReplicaGroup:
         # address must be the host's reachable IP; the port is picked on the host itself.
         _, port = await self._call(spmd.slice(gpus=0).get_host_port.call_one(None), timeout_s)
         await self._call(spmd.setup_env.call(self.host.ip, port), timeout_s)
-        return (await self._call(self.actors.setup.call(), timeout_s)).get(0)
+        info = (await self._call(self.actors.setup.call(), timeout_s)).get(0)
+        self.timings["build_s"] = round(info["build_s"], 3)
+        return info
 
     async def step(self, timeout_s: float) -> dict:
         return (await self._call(self.actors.step.call(), timeout_s)).get(0)
