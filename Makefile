@@ -1,11 +1,14 @@
-# monarch-sky: `make train` and `make test` set up .venv on first use.
+# monarch-sky: `make train` and `make test` set up their virtual environments on first use.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# SkyPilot gets its own venv: its click pin conflicts with wandb's and huggingface-hub's.
+SKY_VENV := .venv-sky
+SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test chaos bench clean
+.PHONY: train test chaos clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +18,19 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+$(SKY_STAMP):
+	$(PYTHON) -m venv $(SKY_VENV)
+	$(SKY_VENV)/bin/python -m pip install --quiet skypilot==0.14.1
+	touch $(SKY_STAMP)
+
 train: $(STAMP)
 	$(PY) -m monarch_sky train $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(SKY_STAMP)
 	$(PY) -m pytest -m "not chaos" tests
 
 chaos: $(STAMP)
-	$(PY) -m pytest -m chaos tests
+	$(PY) -m pytest -m chaos -s tests
 
 clean:
-	rm -rf $(VENV) runs wandb
+	rm -rf $(VENV) $(SKY_VENV) runs wandb

@@ -1,4 +1,4 @@
-"""`monarch-sky` command line: train, worker."""
+"""`monarch-sky` command line: train, worker, doctor."""
 
 from __future__ import annotations
 
@@ -22,15 +22,29 @@ def main(argv: list[str] | None = None) -> int:
 
     worker = sub.add_parser("worker", help="run this host's Monarch worker loop")
     worker.add_argument("--address", required=True, help="tcp://IP:PORT to listen on")
+    worker.add_argument(
+        "--until-shutdown", action="store_true", help="exit when a controller shuts this host down"
+    )
+
+    doctor = sub.add_parser("doctor", help="check this node (platform, GPUs, RCCL, RDMA) and reach the others")
+    doctor.add_argument("--workers", default="", help="comma-separated IP:PORT of every node's worker")
+    doctor.add_argument("--lighthouse", default=None, help="TorchFT lighthouse address to reach")
+    doctor.add_argument("--expect-gpus", type=int, default=None, help="fail unless this node has this many GPUs")
+    doctor.add_argument("--wait", type=float, default=0.0, help="seconds to keep retrying unreachable nodes")
 
     args = parser.parse_args(argv)
     from monarch_sky import supervision
 
     supervision.configure_monarch_env()  # before anything imports Monarch
+    if args.command == "doctor":
+        from monarch_sky import doctor as doctor_mod
+
+        workers = [w for w in args.workers.split(",") if w.strip()]
+        return doctor_mod.run(workers, args.lighthouse, args.expect_gpus, args.wait)
     if args.command == "worker":
         from monarch_sky import worker as worker_mod
 
-        worker_mod.run(args.address)
+        worker_mod.run(args.address, args.until_shutdown)
         return 0
     return _train(args.overrides)
 

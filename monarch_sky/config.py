@@ -65,7 +65,9 @@ class TimeoutSettings:
 
 @dataclass
 class HostSettings:
-    provider: str = "local"  # "local": one worker-loop process per replica group
+    provider: str = "local"  # local | addresses | skypilot (see monarch_sky/hosts.py)
+    addresses: list[str] = field(default_factory=list)  # addresses: worker IP:PORT per host
+    controller_ip: Optional[str] = None  # addresses: the IP the hosts reach the controller on
     provision_delay_s: float = 3.0  # local: how long a replacement host takes to "boot"
     provision_timeout_s: float = 600.0  # give up on a replacement host after this
     max_replacements: int = 3  # local: replacement hosts available to the run
@@ -109,7 +111,7 @@ class Job:
 
 CHOICES = {
     "ft.mode": ("step", "diloco"),
-    "hosts.provider": ("local",),
+    "hosts.provider": ("local", "addresses"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 AT_LEAST_ONE = (
@@ -145,6 +147,7 @@ def load_job(overrides: list[str]) -> Job:
         check_faults(faults, config.replicas, config.steps)
     except FaultSpecError as e:
         raise ConfigError(f"faults: {e}") from None
+    check_fault_support(config, faults)
     return Job(config, faults)
 
 
@@ -201,7 +204,35 @@ def _validate(config: DictConfig) -> None:
             f"ft.sync_steps: steps={config.steps} is not a multiple of ft.sync_steps="
             f"{config.ft.sync_steps}; in diloco mode the run must end on a sync"
         )
+    _validate_hosts(config)
     for key in ("data.tokenizer_path",):
         path = OmegaConf.select(config, key)
         if not os.path.isdir(path):
             raise ConfigError(f"{key}: no such directory '{path}'")
+
+
+def _validate_hosts(config: DictConfig) -> None:
+    from monarch_sky.hosts import HostError, parse_address
+
+    hosts = config.hosts
+    if hosts.provider != "addresses":
+        return
+    if not hosts.controller_ip:
+        raise ConfigError("hosts.controller_ip: required with hosts.provider=addresses (this node's IP)")
+    if len(hosts.addresses) < config.replicas:
+        raise ConfigError(
+            f"hosts.addresses: {len(hosts.addresses)} given, but replicas={config.replicas} "
+            "needs one worker address (IP:PORT) per replica group"
+        )
+    for address in hosts.addresses:
+        try:
+            parse_address(address, name="check")
+        except HostError as e:
+            raise ConfigError(f"hosts.addresses: {e}") from None
+
+
+def check_fault_support(config: DictConfig, faults: list[Fault]) -> None:
+    if any(f.kind == "host" for f in faults) and config.hosts.provider != "local":
+        raise ConfigError(
+            f"faults: host faults can only be injected with hosts.provider=local, not {config.hosts.provider}"
+        )

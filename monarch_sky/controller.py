@@ -30,7 +30,7 @@ from monarch_sky.hosts import (
     Host,
     HostError,
     HostProvider,
-    LocalHosts,
+    make_provider,
     reap_run,
 )
 from monarch_sky.progress import Display
@@ -202,7 +202,7 @@ class Controller:
         self.groups[group.owner] = group
         self.router.watch(group.owner)
         try:
-            await group.spawn(self._spec(slot.index), self.lighthouse_address, self._proc_env(), self.cfg.timeouts.spawn_s)
+            await group.spawn(self._spec(slot.index), self.lighthouse_address, self._proc_env(slot.host), self.cfg.timeouts.spawn_s)
         except BaseException:
             await self._discard(group)
             raise
@@ -553,11 +553,17 @@ class Controller:
             *(g.close(self.cfg.timeouts.stop_s) for g in list(self.groups.values())),
             return_exceptions=True,
         )
+        await asyncio.gather(*(self._release_host(s) for s in self.slots), return_exceptions=True)
         if self.router is not None:
             self.router.uninstall()
         await asyncio.to_thread(self.provider.shutdown)
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
+
+    async def _release_host(self, slot: Slot) -> None:
+        """Tell a live host's worker the run is over (bootstrapped nodes then exit)."""
+        if await asyncio.to_thread(self.provider.alive, slot.host):
+            await asyncio.wait_for(_await(slot.host_mesh.shutdown()), self.cfg.timeouts.stop_s)
 
     # ---- helpers ------------------------------------------------------------------
 
@@ -567,9 +573,10 @@ class Controller:
     def _spec(self, index: int) -> TrainerSpec:
         return TrainerSpec.from_job(self.cfg, index, self._dump_folder(index), self.platform.kind)
 
-    def _proc_env(self) -> dict[str, str]:
+    def _proc_env(self, host: Host) -> dict[str, str]:
         env = {
             "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
+            platform_mod.ADVERTISE_ENV: host.ip,
             "HF_HUB_OFFLINE": "1",
             "HF_DATASETS_OFFLINE": "1",
             "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
@@ -658,12 +665,7 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     if provider is None:
         hosts_log = record.path / "hosts"
         hosts_log.mkdir(exist_ok=True)
-        provider = LocalHosts(
-            run_id,
-            log_dir=str(hosts_log),
-            provision_delay_s=cfg.hosts.provision_delay_s,
-            max_replacements=cfg.hosts.max_replacements,
-        )
+        provider = make_provider(cfg.hosts, run_id, str(hosts_log))
     controller = Controller(job, provider, record, tracker, display)
     controller.previous_controller = previous
     try:

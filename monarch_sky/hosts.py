@@ -262,3 +262,17 @@ def reap_run(run_id: str, keys: tuple[str, ...] = (RUN_ID_ENV,), timeout_s: floa
             pass
     psutil.wait_procs(procs, timeout=timeout_s)
     return len(procs)
+
+
+def make_provider(settings, run_id: str, log_dir: str) -> HostProvider:
+    """The host provider a job's `hosts.*` settings ask for."""
+    if settings.provider == "addresses":
+        return AddressListHosts(
+            list(settings.addresses), settings.controller_ip, wait_s=settings.provision_timeout_s
+        )
+    return LocalHosts(
+        run_id,
+        log_dir=log_dir,
+        provision_delay_s=settings.provision_delay_s,
+        max_replacements=settings.max_replacements,
+    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import sys
 from dataclasses import dataclass
 
@@ -100,6 +101,22 @@ def prepare_torchtitan(platform: Platform) -> None:
         _get_device_module=lambda device_type=None: cpu_module,
     ):
         import torchtitan.tools.utils  # noqa: F401
+
+
+ADVERTISE_ENV = "MONARCH_SKY_ADVERTISE_HOST"
+
+
+def advertise_host() -> None:
+    """Make this process name itself by the address the controller reaches its host on.
+
+    TorchFT gives peers `socket.gethostname()` (its manager address, the checkpoint URL a
+    rejoining group fetches weights from). Container and VM hostnames often do not resolve
+    on the other nodes. Must run before torchft is imported: a default argument there reads
+    the hostname at import time.
+    """
+    host = os.environ.get(ADVERTISE_ENV)
+    if host:
+        socket.gethostname = lambda: host
 
 
 TRAINING_NICENESS = 5

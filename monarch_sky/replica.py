@@ -32,6 +32,7 @@ class ReplicaActor(Actor):
     def warm(self) -> float:
         """Import torch, TorchFT and TorchTitan ahead of time; returns the seconds it took."""
         start = time.perf_counter()
+        platform_mod.advertise_host()
         _quiet_logs()
         from monarch_sky import trainer
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 from monarch_sky import supervision
 
 
-def run(address: str) -> None:
-    supervision.configure_monarch_env()
-    from monarch.actor import run_worker_loop_forever
+def run(address: str, until_shutdown: bool = False) -> None:
+    """Serve controllers at `address` (tcp://IP:PORT).
 
-    run_worker_loop_forever(address=address, ca="trust_all_connections")
+    `until_shutdown`: return once a controller shuts this host down at the end of its run
+    (node bootstrap); otherwise serve controller after controller until killed.
+    """
+    supervision.configure_monarch_env()
+    from monarch.actor import run_worker_loop_forever, run_worker_loop_until_shutdown
+
+    serve = run_worker_loop_until_shutdown if until_shutdown else run_worker_loop_forever
+    serve(address=address, ca="trust_all_connections")
