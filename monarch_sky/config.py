@@ -68,6 +68,9 @@ class HostSettings:
     provider: str = "local"  # local | addresses | skypilot (see monarch_sky/hosts.py)
     addresses: list[str] = field(default_factory=list)  # addresses: worker IP:PORT per host
     controller_ip: Optional[str] = None  # addresses: the IP the hosts reach the controller on
+    recipe_yaml: Optional[str] = None  # skypilot: the recipe replacements are launched from
+    cluster_prefix: Optional[str] = None  # skypilot: replacement cluster names (default from run id)
+    sky_cli: str = "sky"  # skypilot: the SkyPilot command to run
     provision_delay_s: float = 3.0  # local: how long a replacement host takes to "boot"
     provision_timeout_s: float = 600.0  # give up on a replacement host after this
     max_replacements: int = 3  # local: replacement hosts available to the run
@@ -111,7 +114,7 @@ class Job:
 
 CHOICES = {
     "ft.mode": ("step", "diloco"),
-    "hosts.provider": ("local", "addresses"),
+    "hosts.provider": ("local", "addresses", "skypilot"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
 }
 AT_LEAST_ONE = (
@@ -215,10 +218,12 @@ def _validate_hosts(config: DictConfig) -> None:
     from monarch_sky.hosts import HostError, parse_address
 
     hosts = config.hosts
-    if hosts.provider != "addresses":
+    if hosts.provider == "local":
         return
     if not hosts.controller_ip:
-        raise ConfigError("hosts.controller_ip: required with hosts.provider=addresses (this node's IP)")
+        raise ConfigError(f"hosts.controller_ip: required with hosts.provider={hosts.provider} (this node's IP)")
+    if hosts.provider == "skypilot" and not (hosts.recipe_yaml and os.path.isfile(hosts.recipe_yaml)):
+        raise ConfigError(f"hosts.recipe_yaml: '{hosts.recipe_yaml}' is not a file; replacements launch from it")
     if len(hosts.addresses) < config.replicas:
         raise ConfigError(
             f"hosts.addresses: {len(hosts.addresses)} given, but replicas={config.replicas} "

@@ -6,8 +6,9 @@
 #                      (`monarch-sky doctor`) and starts one Monarch worker loop per replica
 #                      group it hosts; node rank 0 also runs the controller (which starts the
 #                      TorchFT lighthouse) against every node's workers.
-#   worker             a replica-group task of a job group (recipes/llama-spot.yaml): workers
-#                      only, reachable as <WORKER_TASK>-0.<job group>.
+#   worker             workers only: a replica-group task of a job group (recipes/llama-spot.yaml),
+#                      reachable as <WORKER_TASK>-0.<job group>, or a replacement cluster the
+#                      controller launched (HOST_REPLACEMENT=skypilot), reachable by its IP.
 #   controller         the job group's controller task: attaches to the GROUP_TASKS' workers.
 # When training ends the controller shuts every worker down and each node's run exits.
 # Safe to run again on a node: a live worker is reused, not doubled.
@@ -125,16 +126,18 @@ train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...
   # shellcheck disable=SC2086  # MONARCH_SKY_ARGS is a list of KEY=VALUE words
   "$PY" -m monarch_sky train recipe="$RECIPE" replicas="$replicas" procs_per_replica="$PROCS" \
     hosts.provider=addresses "hosts.addresses=[$all]" hosts.controller_ip="$MY_IP" \
-    ${run_id:+run_id=$run_id} "$@" ${MONARCH_SKY_ARGS:-}
+    ${run_id:+run_id=$run_id} "$@" ${MONARCH_SKY_ARGS:-}  # later overrides win
 }
 
 case "$ROLE" in
   worker)
-    need WORKER_TASK
-    need SKYPILOT_JOBGROUP_NAME
-    doctor "$WORKER_TASK" "${EXPECT[@]}" || die "preflight failed on $WORKER_TASK ($MY_IP)"
-    start_workers "$WORKER_TASK-0.$SKYPILOT_JOBGROUP_NAME"
-    echo "monarch-sky bootstrap: $WORKER_TASK serving until the controller finishes"
+    NAME="node $RANK" ADVERTISE=$MY_IP
+    if [ -n "${WORKER_TASK:-}" ] && [ -n "${SKYPILOT_JOBGROUP_NAME:-}" ]; then
+      NAME=$WORKER_TASK ADVERTISE=$WORKER_TASK-0.$SKYPILOT_JOBGROUP_NAME
+    fi
+    doctor "$NAME" "${EXPECT[@]}" || die "preflight failed on $NAME ($MY_IP)"
+    start_workers "$ADVERTISE"
+    echo "monarch-sky bootstrap: $NAME serving until the controller finishes"
     wait_workers
     ;;
   controller)
@@ -159,8 +162,13 @@ case "$ROLE" in
     for ip in "${IPS[@]}"; do
       for ((g = 0; g < PER_NODE; g++)); do ADDRS+=("$ip:$((PORT + g))"); done
     done
+    REPLACE=()
+    if [ "${HOST_REPLACEMENT:-none}" = "skypilot" ]; then  # needs `sky` and credentials here
+      need RECIPE_YAML
+      REPLACE=(hosts.provider=skypilot hosts.recipe_yaml="$RECIPE_YAML")
+    fi
     set +e
-    train "$(IFS=,; echo "${ADDRS[*]}")" $((NODES * PER_NODE))
+    train "$(IFS=,; echo "${ADDRS[*]}")" $((NODES * PER_NODE)) "${REPLACE[@]}"
     RC=$?
     set -e
     wait_workers

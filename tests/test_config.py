@@ -27,6 +27,16 @@ BAD = [
     (["ft.mode=diloco", "steps=25", "ft.sync_steps=10"], ["ft.sync_steps", "multiple"]),
     (["ft.min_replicas=4"], ["ft.min_replicas", "replicas=3"]),
     (["replicas"], ["replicas", "KEY=VALUE"]),
+    (["hosts.provider=cloud9"], ["hosts.provider", "local", "addresses", "skypilot"]),
+    (["hosts.provider=addresses"], ["hosts.controller_ip", "required"]),
+    (["hosts.provider=addresses", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[10.0.0.1:1]"],
+     ["hosts.addresses", "replicas=3"]),
+    (["hosts.provider=addresses", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[a:1,b:2,c]"],
+     ["hosts.addresses", "IP:PORT"]),
+    (["hosts.provider=skypilot", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[a:1,b:1,c:1]"],
+     ["hosts.recipe_yaml"]),
+    (["hosts.provider=addresses", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[a:1,b:1,c:1]",
+      "faults=host@10:1"], ["faults", "hosts.provider=local"]),
 ]
 
 

@@ -74,6 +74,23 @@ def test_spot_recipe_is_a_job_group_with_one_spot_cluster_per_replica_group(fact
         assert worker["envs"]["WORKER_TASK"] == worker["name"]
 
 
+def test_skypilot_provider_builds_a_one_node_worker_task_from_the_recipe(facts):
+    proc = subprocess.run(
+        [str(SKY_PYTHON), str(REPO / "tests" / "sky_facts.py"), "--replacement", str(REPO / "recipes" / "llama.yaml")],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    task = json.loads(proc.stdout.strip().splitlines()[-1])
+    recipe = facts["llama.yaml"]
+    assert task["name"] == "monarch-run-r0" and task["num_nodes"] == 1
+    assert task["accelerators"] == recipe["accelerators"] and task["infras"] == recipe["infras"]
+    assert task["images"] == recipe["images"] and task["docker_run_options"] == recipe["docker_run_options"]
+    assert task["envs"]["MONARCH_SKY_ROLE"] == "worker" and task["envs"]["WORKER_PORT"] == "26600"
+    assert task["envs"]["RECIPE"] == recipe["envs"]["RECIPE"]
+    assert task["secret_refs"] == [] and task["inline_secrets"] == [], "a worker needs no secrets"
+    assert task["run"] == recipe["run"] and task["setup"] == recipe["setup"]
+
+
 def doctor(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "monarch_sky", "doctor", *args],
