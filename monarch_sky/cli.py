@@ -57,6 +57,6 @@ def _train(overrides: list[str]) -> int:
     except ConfigError as e:
         print(f"monarch-sky: config error: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    from monarch_sky.controller import run_job
+    from monarch_sky.run import run_job
 
     return run_job(job)

@@ -1,0 +1,84 @@
+"""`monarch-sky train`: one run from a validated job to an exit code.
+
+Picks the run id, cleans up after a previous controller of the same run id, opens the run
+record and W&B, builds the host provider, runs the controller, and writes the summary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from datetime import datetime
+
+from monarch_sky.config import EXIT_CONFIG, Job
+from monarch_sky.controller import Controller
+from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
+from monarch_sky.progress import Display
+from monarch_sky.tracking import RunRecord, Tracker, previous_attempt
+
+log = logging.getLogger(__name__)
+
+EVERYTHING = (RUN_ID_ENV, CONTROLLER_ENV)  # hosts, trainers and the controller's helpers
+
+
+def new_run_id(recipe: str) -> str:
+    return f"{recipe}-{datetime.now():%Y%m%d-%H%M%S}-{os.urandom(2).hex()}"
+
+
+def run_job(job: Job, provider: HostProvider | None = None) -> int:
+    """Run a validated job to completion; returns the process exit code."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("RUST_LOG", "warn")
+    cfg = job.config
+    run_id = cfg.run_id or new_run_id(cfg.recipe)
+    cfg.run_id = run_id
+    try:
+        previous = previous_attempt(cfg.run_dir, run_id)
+    except FileExistsError as e:
+        print(f"monarch-sky: config error: run_id: {e}; pick another run_id", file=sys.stderr)
+        return EXIT_CONFIG
+    display = Display(cfg.steps)
+    if previous is not None:
+        previous["reaped_processes"] = reap_run(run_id, EVERYTHING)
+        display.line(
+            f"monarch-sky: run {run_id} lost its previous controller at step {previous['last_step']} "
+            f"(last recorded); reaped {previous['reaped_processes']} processes it left behind. "
+            f"There is no checkpoint, so those {previous['last_step']} steps are lost: "
+            "training starts again from step 0."
+        )
+    record = RunRecord(cfg.run_dir, run_id)
+    if previous is not None:
+        record.event("controller_restarted", **previous)
+    record.event("run_started", config=job.to_dict())
+    faults = ", ".join(map(str, job.faults)) or "none"
+    display.line(
+        f"monarch-sky run {run_id}: {cfg.recipe}, {cfg.replicas} replica groups x "
+        f"{cfg.procs_per_replica} processes, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {faults}"
+    )
+    tracker = Tracker(cfg.wandb, run_id, record.path, job.to_dict())
+    if provider is None:
+        hosts_log = record.path / "hosts"
+        hosts_log.mkdir(exist_ok=True)
+        provider = make_provider(cfg.hosts, run_id, str(hosts_log))
+    controller = Controller(job, provider, record, tracker, display)
+    controller.previous_controller = previous
+    try:
+        summary = asyncio.run(controller.run())
+        record.write_summary(summary)
+        tracker.finish(summary)
+        display.finish(summary, str(record.path), tracker.location)
+        return 0 if summary["committed_steps"] >= cfg.steps else 1
+    except KeyboardInterrupt:
+        record.event("interrupted")
+        display.line("interrupted: stopped every process of the run")
+        return 130
+    except Exception as e:
+        record.event("run_failed", error=f"{type(e).__name__}: {e}")
+        display.line(f"monarch-sky: run failed: {type(e).__name__}: {e}")
+        log.debug("run failed", exc_info=True)
+        return 1
+    finally:
+        reap_run(run_id, EVERYTHING)
+        record.close()
