@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test chaos clean
+.PHONY: train test chaos bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,9 @@ test: $(STAMP) $(SKY_STAMP)
 
 chaos: $(STAMP)
 	$(PY) -m pytest -m chaos -s tests
+
+bench: $(STAMP)
+	$(PY) tools/bench_recovery.py
 
 clean:
 	rm -rf $(VENV) $(SKY_VENV) runs wandb

@@ -2,8 +2,8 @@
 
 Survivors must never die because a peer died (seen with stock settings in 4 of 6 runs),
 every failed group must come back from a peer, and all groups must end identical.
-Set CHAOS_RUNS to change the number of runs (default 6). Recovery timings of every run are
-written to chaos-timings.json in the test's tmp dir and printed (pytest -s).
+Set CHAOS_RUNS (default 6) and CHAOS_HOST_RUNS (default 3) to change the number of runs.
+Recovery timings are written to *-timings.json in the test's tmp dir and printed (pytest -s).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 from conftest import train
 
 RUNS = int(os.environ.get("CHAOS_RUNS", "6"))
+HOST_RUNS = int(os.environ.get("CHAOS_HOST_RUNS", "3"))
 KINDS = ("kill", "segfault")
 
 
@@ -48,9 +49,30 @@ def test_repeated_faults_never_kill_survivors(tmp_path):
         timings += s["faults"]
     (tmp_path / "chaos-timings.json").write_text(json.dumps(timings, indent=2))
     for kind in KINDS:
-        rows = [t for t in timings if t["kind"] == kind]
-        medians = {
-            key: round(statistics.median(t[key] for t in rows), 2)
-            for key in ("detected_s", "survivors_resumed_s", "rejoined_s")
-        }
-        print(f"\n{kind}: {len(rows)} faults, medians {medians}")
+        print_medians(kind, [t for t in timings if t["kind"] == kind])
+
+
+@pytest.mark.chaos
+def test_repeated_host_loss_heals_on_a_replacement_host(tmp_path):
+    timings = []
+    for seed in range(HOST_RUNS):
+        replica = seed % 2
+        run = train(tmp_path / f"run{seed}", "replicas=2", "steps=200", f"faults=host@20:{replica}", f"seed={seed}")
+        assert run.returncode == 0, run.output[-3000:]
+        s = run.summary
+        assert s["unplanned_failures"] == [] and s["lost_replicas"] == [], s
+        [fault] = s["faults"]
+        assert fault["recovered_from"] == "peer", fault
+        assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 2
+        assert run.leftovers == [], run.leftovers
+        timings.append(fault)
+    (tmp_path / "host-timings.json").write_text(json.dumps(timings, indent=2))
+    print_medians("host", timings)
+
+
+def print_medians(kind: str, rows: list[dict]) -> None:
+    medians = {
+        key: round(statistics.median(t[key] for t in rows), 2)
+        for key in ("detected_s", "survivors_resumed_s", "rejoined_s")
+    }
+    print(f"\n{kind}: {len(rows)} faults, medians {medians}")
