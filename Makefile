@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test chaos bench clean
+.PHONY: train test chaos bench e2e-sky clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,10 @@ chaos: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) tools/bench_recovery.py
+
+# SkyPilot itself launching recipes/debug.yaml on a one-node Slurm cluster set up here (root).
+e2e-sky: $(STAMP) $(SKY_STAMP)
+	bash tools/e2e_sky.sh
 
 clean:
 	rm -rf $(VENV) $(SKY_VENV) runs wandb

@@ -443,16 +443,19 @@ class Controller:
             self._note_detection(slot, reason, time.monotonic())
         slot.state = "recovering"
         slot.group = None
-        if await asyncio.to_thread(self.provider.alive, slot.host):
+        host_alive = await asyncio.to_thread(self.provider.alive, slot.host)
+        if host_alive:
             began = time.monotonic()
             await self._discard(group)
             self.record.event("replica_stopped", replica=slot.index, generation=group.generation, seconds=round(time.monotonic() - began, 3))
         else:
             self._abandon(group)
             self._abandon_standby(slot)
-            if not await self._replace_host(slot):
-                return
-        if not self._may_restart(slot, reason) or not await self._activate(slot):
+        if not self._may_restart(slot, reason):
+            return
+        if not host_alive and not await self._replace_host(slot):
+            return
+        if not await self._activate(slot):
             return
         if self.finishing:
             await self._retire(slot, "the run finished before it rejoined")

@@ -13,7 +13,9 @@ python3 -m venv --system-site-packages "$VENV"
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
-if ! python -c 'import torch' 2>/dev/null; then
+if [ -n "${TORCH_SPEC:-}" ]; then
+  python -m pip install --quiet "$TORCH_SPEC"  # a torch you name (e.g. torch==2.13.0 from a local wheel)
+elif ! python -c 'import torch' 2>/dev/null; then
   # Images without torch (OCI bare metal, plain CPU nodes): PyTorch's own ROCm or CPU build.
   if [ "${SKYPILOT_NUM_GPUS_PER_NODE:-0}" != "0" ]; then
     INDEX=${TORCH_ROCM_INDEX:-https://download.pytorch.org/whl/rocm6.4}
