@@ -190,7 +190,7 @@ class Controller:
         self.groups[group.owner] = group
         self.router.watch(group.owner)
         try:
-            await group.spawn(self._spec(slot.index), self.lighthouse_address, self._proc_env(slot.host), self.cfg.timeouts.spawn_s)
+            await group.spawn(self._spec(slot.index), self._proc_env(slot.host), self.cfg.timeouts.spawn_s)
         except BaseException:
             await self._discard(group)
             raise

@@ -23,9 +23,10 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaActor(Actor):
-    def __init__(self, spec: TrainerSpec, lighthouse: str):
+    """TorchFT finds the lighthouse through TORCHFT_LIGHTHOUSE in the process environment."""
+
+    def __init__(self, spec: TrainerSpec):
         self.spec = spec
-        self.lighthouse = lighthouse
         self.trainer = None
 
     @endpoint
@@ -41,10 +42,8 @@ class ReplicaActor(Actor):
 
     @endpoint
     def setup(self) -> dict:
-        """Build the trainer; TorchFT joins the lighthouse on the first step."""
+        """Build the trainer (after `warm`); TorchFT joins the lighthouse on the first step."""
         start = time.perf_counter()
-        os.environ["TORCHFT_LIGHTHOUSE"] = self.lighthouse
-        _quiet_logs()
         from monarch_sky.trainer import GroupTrainer
 
         self.trainer = GroupTrainer(self.spec)
@@ -114,7 +113,7 @@ class ReplicaGroup:
             self.failure = report
         self._failed.set()
 
-    async def spawn(self, spec: TrainerSpec, lighthouse: str, env: dict[str, str], timeout_s: float) -> None:
+    async def spawn(self, spec: TrainerSpec, env: dict[str, str], timeout_s: float) -> None:
         """Start the group's processes and import the trainer code (a warm standby)."""
         from monarch.actor import default_bootstrap_cmd
 
@@ -129,7 +128,7 @@ class ReplicaGroup:
         self.fault_actors = self.proc_mesh.spawn(f"{self.owner}-fault", FaultActor)
         await self._call(self.fault_actors.pid.call(), timeout_s)
         self.timings["boot_s"] = round(time.monotonic() - began, 3)
-        self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor, spec, lighthouse)
+        self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor, spec)
         imports = await self._call(self.actors.warm.call(), timeout_s)
         self.timings["import_s"] = round(max(imports.values()), 3)
 
