@@ -6,7 +6,8 @@
 # reached by SkyPilot over ssh as user `sky` on 127.0.0.1:2222. SkyPilot's remote runtime setup
 # downloads uv and a CPython 3.10 from the internet: both are pre-seeded where it looks for
 # them (the cluster's home and runtime dir), uv from its PyPI wheel, the runtime venv from the
-# system python. Then `sky launch` runs sky/setup.sh and sky/bootstrap.sh like on a cloud:
+# system python. The node's torch is this machine's CPU wheel (TORCH_SPEC=torch==2.13.0+cpu,
+# found through pip's find-links): a bare torch==2.13.0 from PyPI is a multi-GB CUDA build. Then `sky launch` runs sky/setup.sh and sky/bootstrap.sh like on a cloud:
 # two replica groups on the node (REPLICAS_PER_NODE=2), one injected kill, healed from a peer.
 set -euo pipefail
 
@@ -90,7 +91,8 @@ export SKYPILOT_DISABLE_USAGE_COLLECTION=1
 "$SKY" check slurm
 "$SKY" show-gpus --infra slurm || true
 
-say "pre-seeding uv and SkyPilot's runtime venv for cluster $CLUSTER"
+say "taking down any earlier $CLUSTER cluster, then pre-seeding uv and SkyPilot's runtime venv"
+"$SKY" down -y "$CLUSTER" > /dev/null 2>&1 || true
 NAME=$CLUSTER-$(cat /root/.sky/user_hash)
 UVDIR=$(mktemp -d)
 "$REPO/.venv/bin/python" -m pip download --quiet --no-deps --only-binary=:all: -d "$UVDIR" uv
@@ -104,10 +106,11 @@ say "sky launch recipes/debug.yaml (2 replica groups on one node, a kill at step
 cd "$REPO"
 "$SKY" launch -y -c "$CLUSTER" recipes/debug.yaml --infra slurm/localcluster --num-nodes 1 \
   --cpus "$(nproc)" --memory 8 \
-  --env REPLICAS_PER_NODE=2 --env PROCS_PER_REPLICA=2 --env TORCH_SPEC=torch==2.13.0 \
+  --env REPLICAS_PER_NODE=2 --env PROCS_PER_REPLICA=2 --env TORCH_SPEC=torch==2.13.0+cpu --env PIP_FIND_LINKS=/opt/wheels \
   --env MONARCH_SKY_ARGS="steps=60 faults=kill@20:1 wandb.mode=disabled" \
   2>&1 | tee /tmp/e2e-sky.log
+grep -q "Job finished (status: SUCCEEDED)" /tmp/e2e-sky.log || die "the SkyPilot job did not succeed (/tmp/e2e-sky.log)"
 grep -q "recovered from" /tmp/e2e-sky.log || die "no run summary in the job output (/tmp/e2e-sky.log)"
-grep -E "^ +kill +1 +20 .* peer$" /tmp/e2e-sky.log || die "the killed group did not heal from a peer"
+grep -E " kill +1 +20 .* peer\s*$" /tmp/e2e-sky.log || die "the killed group did not heal from a peer"
 say "passed: training on SkyPilot's Slurm cluster went through a kill; tearing down"
 "$SKY" down -y "$CLUSTER"
