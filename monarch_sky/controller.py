@@ -87,7 +87,15 @@ class StepStats:
 
 
 class Controller:
-    def __init__(self, job: Job, provider: HostProvider, record: RunRecord, tracker: Tracker, display: Display):
+    def __init__(
+        self,
+        job: Job,
+        provider: HostProvider,
+        record: RunRecord,
+        tracker: Tracker,
+        display: Display,
+        previous_controller: dict[str, Any] | None = None,  # what a dead controller of this run left
+    ):
         self.job = job
         self.cfg = job.config
         self.provider = provider
@@ -113,7 +121,7 @@ class Controller:
         self.groups: dict[str, ReplicaGroup] = {}  # every live generation, standbys too
         self.background: set[asyncio.Task] = set()
         self.start_time = time.monotonic()
-        self.previous_controller: dict[str, Any] | None = None  # set when a run id is resumed
+        self.previous_controller = previous_controller
 
     # ---- lifecycle -------------------------------------------------------------------
 

@@ -62,8 +62,7 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         hosts_log = record.path / "hosts"
         hosts_log.mkdir(exist_ok=True)
         provider = make_provider(cfg.hosts, run_id, str(hosts_log))
-    controller = Controller(job, provider, record, tracker, display)
-    controller.previous_controller = previous
+    controller = Controller(job, provider, record, tracker, display, previous_controller=previous)
     try:
         summary = asyncio.run(controller.run())
         record.write_summary(summary)
