@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import time
 from dataclasses import dataclass
 from urllib.parse import urlparse
+
+from monarch_sky.hosts import HostError, parse_address, reachable
 
 
 @dataclass
@@ -69,7 +70,7 @@ def reachability(targets: dict[str, tuple[str, int]], wait_s: float) -> list[Che
     checks = []
     while True:
         for name, (host, port) in list(pending.items()):
-            if _connects(host, port):
+            if reachable(host, port):
                 checks.append(Check("ok", name, f"{host}:{port} answers"))
                 del pending[name]
         if not pending or time.monotonic() >= deadline:
@@ -79,17 +80,7 @@ def reachability(targets: dict[str, tuple[str, int]], wait_s: float) -> list[Che
     return checks
 
 
-def _connects(host: str, port: int) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=2.0):
-            return True
-    except OSError:
-        return False
-
-
 def run(workers: list[str], lighthouse: str | None, expect_gpus: int | None, wait_s: float) -> int:
-    from monarch_sky.hosts import HostError, parse_address
-
     checks = platform_checks(expect_gpus)
     targets: dict[str, tuple[str, int]] = {}
     for i, address in enumerate(workers):

@@ -74,11 +74,7 @@ class HostProvider(abc.ABC):
 
     def alive(self, host: Host, timeout_s: float = 2.0) -> bool:
         """Whether the host's worker still accepts connections."""
-        try:
-            with socket.create_connection((host.ip, host.port), timeout=timeout_s):
-                return True
-        except OSError:
-            return False
+        return reachable(host.ip, host.port, timeout_s)
 
 
 class LocalHosts(HostProvider):
@@ -275,25 +271,39 @@ def parse_address(address: str, name: str) -> Host:
     return Host(name=name, ip=ip, port=int(port))
 
 
+def reachable(ip: str, port: int, timeout_s: float = 2.0) -> bool:
+    """A TCP connect: the kernel of a live host accepts it however busy the listener is."""
+    try:
+        with socket.create_connection((ip, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def _kill_tree(proc: subprocess.Popen) -> None:
     """SIGKILL the worker and every process it started."""
     import psutil
 
     try:
-        victims = [psutil.Process(proc.pid)]
-        victims += victims[0].children(recursive=True)
+        root = psutil.Process(proc.pid)
+        _kill_all([root, *root.children(recursive=True)])
     except psutil.NoSuchProcess:
-        victims = []
-    for victim in victims:
-        try:
-            victim.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(victims, timeout=10)
+        pass
     try:
         proc.wait(timeout=10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def _kill_all(procs: list, timeout_s: float = 10.0) -> None:
+    import psutil
+
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(procs, timeout=timeout_s)
 
 
 def free_port(ip: str = "127.0.0.1") -> int:
@@ -307,11 +317,9 @@ def _wait_listening(host: Host, proc: subprocess.Popen, timeout_s: float) -> Non
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise HostError(f"worker for host {host.name} exited with code {proc.returncode}")
-        try:
-            with socket.create_connection((host.ip, host.port), timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
+        if reachable(host.ip, host.port, timeout_s=1.0):
+            return
+        time.sleep(0.2)
     raise HostError(f"worker for host {host.name} did not listen on {host.address} within {timeout_s:.0f}s")
 
 
@@ -332,15 +340,8 @@ def run_processes(run_id: str, keys: tuple[str, ...] = (RUN_ID_ENV,)) -> list:
 
 def reap_run(run_id: str, keys: tuple[str, ...] = (RUN_ID_ENV,), timeout_s: float = 10.0) -> int:
     """SIGKILL whatever is left of a run on this machine (never this process); returns how many."""
-    import psutil
-
     procs = [p for p in run_processes(run_id, keys) if p.pid != os.getpid()]
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(procs, timeout=timeout_s)
+    _kill_all(procs, timeout_s)
     return len(procs)
 
 

@@ -47,11 +47,15 @@ def new_tag() -> str:
     return f"t{os.getpid()}-{time.monotonic_ns()}"
 
 
-def train(tmp_path: Path, *overrides: str, timeout_s: float = 600) -> Run:
+def train_command(run_dir: Path, run_id: str, *overrides: str) -> list[str]:
+    return [sys.executable, "-m", "monarch_sky", "train", f"run_dir={run_dir}", f"run_id={run_id}", *overrides]
+
+
+def train(tmp_path: Path, *overrides: str, tag: str | None = None, timeout_s: float = 600) -> Run:
     """Run `monarch-sky train` to completion and report what it left running."""
-    tag = new_tag()
+    tag = tag or new_tag()
     proc = subprocess.run(
-        [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", f"run_id={tag}", *overrides],
+        train_command(tmp_path, tag, *overrides),
         cwd=REPO,
         env=cli_env(tag),
         capture_output=True,

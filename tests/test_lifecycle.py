@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import sys
 import time
 
-from conftest import REPO, Run, cli_env, leftovers, new_tag, train
+from conftest import REPO, cli_env, leftovers, new_tag, train, train_command
 
 
 def wait_for_event(path, name: str, timeout_s: float) -> None:
@@ -24,7 +23,7 @@ def wait_for_event(path, name: str, timeout_s: float) -> None:
 
 def start(tmp_path, tag: str, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", f"run_id={tag}", *overrides],
+        train_command(tmp_path, tag, *overrides),
         cwd=REPO, env=cli_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
@@ -55,15 +54,10 @@ def test_new_controller_reaps_a_dead_controllers_processes(tmp_path):
         orphans = leftovers(tag, grace_s=0)
         assert orphans, "expected the dead controller's processes to outlive it"
         # The same run id again: the new controller must reap them and say what was lost.
-        proc = subprocess.run(
-            [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", f"run_id={tag}",
-             "replicas=2", "steps=10", "faults=none", "ft.standby=false"],
-            cwd=REPO, env=cli_env(tag), capture_output=True, text=True, timeout=600,
-        )
+        run = train(tmp_path, "replicas=2", "steps=10", "faults=none", "ft.standby=false", tag=tag)
     finally:
         if first.poll() is None:
             first.kill()
-    run = Run(proc.returncode, proc.stdout + proc.stderr, tmp_path / tag, leftovers(tag))
     assert run.returncode == 0, run.output[-3000:]
     assert "lost its previous controller" in run.output and "starts again from step 0" in run.output
     [restart] = [e for e in run.events if e["event"] == "controller_restarted"]
@@ -77,8 +71,7 @@ def test_a_finished_run_id_is_not_reused(tmp_path):
     run = train(tmp_path, "replicas=1", "steps=2", "faults=none", "ft.standby=false")
     assert run.returncode == 0, run.output[-3000:]
     again = subprocess.run(
-        [sys.executable, "-m", "monarch_sky", "train", f"run_dir={tmp_path}", f"run_id={run.path.name}"],
-        cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120,
+        train_command(tmp_path, run.path.name), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120,
     )
     assert again.returncode == 2
     assert "run_id" in again.stderr and "already finished" in again.stderr
