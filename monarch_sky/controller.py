@@ -204,15 +204,18 @@ class Controller:
             raise
         return group
 
-    async def _discard(self, group: ReplicaGroup) -> None:
+    def _forget(self, group: ReplicaGroup) -> None:
+        """No more failures, shutdown or standby duty for this generation."""
         self.router.unwatch(group.owner)
         self.groups.pop(group.owner, None)
+
+    async def _discard(self, group: ReplicaGroup) -> None:
+        self._forget(group)
         await group.stop(self.cfg.timeouts.stop_s)
 
     def _abandon(self, group: ReplicaGroup) -> None:
         """Forget a group on a dead host: stopping a mesh there would hang."""
-        self.router.unwatch(group.owner)
-        self.groups.pop(group.owner, None)
+        self._forget(group)
         group.proc_mesh = None
 
     def _abandon_standby(self, slot: Slot) -> None:
@@ -496,8 +499,7 @@ class Controller:
         group = slot.group
         self._lose(slot, reason)
         if group is not None:
-            self.router.unwatch(group.owner)
-            self.groups.pop(group.owner, None)
+            self._forget(group)
             await group.close(self.cfg.timeouts.stop_s)
 
     # ---- end of run ------------------------------------------------------------------

@@ -68,7 +68,7 @@ def test_local_replacement_capacity_is_bounded(tmp_path):
 def test_local_replacement_stops_waiting_at_shutdown(tmp_path):
     hosts = LocalHosts("unit", log_dir=str(tmp_path), provision_delay_s=60, max_replacements=1)
     threading.Timer(0.5, hosts.shutdown).start()
-    began = time.monotonic()
+    # "shutting down" comes only from the provisioning wait being cut short, not timing out.
     with pytest.raises(HostError, match="shutting down"):
         hosts.replace(None)
-    assert time.monotonic() - began < 10
+    assert hosts.procs == {}, "no worker may be started once the run is shutting down"
