@@ -7,7 +7,9 @@ message naming the field and what is allowed; nothing is spawned before this pas
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -74,6 +76,8 @@ class HostSettings:
     provision_delay_s: float = 3.0  # local: how long a replacement host takes to "boot"
     provision_timeout_s: float = 600.0  # give up on a replacement host after this
     max_replacements: int = 3  # local: replacement hosts available to the run
+    # a host is declared dead after its worker refused connections for this long (consecutive probes)
+    dead_after_s: float = 2.0
 
 
 @dataclass
@@ -117,6 +121,7 @@ CHOICES = {
     "hosts.provider": ("local", "addresses", "skypilot"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
 }
+# Numeric bounds, checked in this order; a value must also be finite (no nan or inf).
 AT_LEAST_ONE = (
     "replicas",
     "procs_per_replica",
@@ -126,6 +131,31 @@ AT_LEAST_ONE = (
     "training.seq_len",
     "training.local_batch_size",
 )
+MORE_THAN_ZERO = (  # a zero timeout or tick fails every wait, or never ends one
+    "training.lr",
+    "ft.process_group_timeout_ms",
+    "ft.heartbeat_timeout_ms",
+    "ft.quorum_tick_ms",
+    "ft.join_timeout_ms",
+    "timeouts.spawn_s",
+    "timeouts.step_s",
+    "timeouts.stop_s",
+    "hosts.provision_timeout_s",
+    "hosts.dead_after_s",
+)
+AT_LEAST_ZERO = (
+    "seed",
+    "training.warmup_steps",
+    "ft.max_restarts",
+    "hosts.provision_delay_s",
+    "hosts.max_replacements",
+)
+BOUNDS = (
+    (AT_LEAST_ONE, ">= 1", lambda v: v >= 1),
+    (MORE_THAN_ZERO, "> 0", lambda v: v > 0),
+    (AT_LEAST_ZERO, ">= 0", lambda v: v >= 0),
+)
+RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # a plain file name: no '/', no '..'
 
 
 def load_job(overrides: list[str]) -> Job:
@@ -150,6 +180,11 @@ def load_job(overrides: list[str]) -> Job:
         check_faults(faults, config.replicas, config.steps)
     except FaultSpecError as e:
         raise ConfigError(f"faults: {e}") from None
+    if faults and config.replicas == 1:
+        raise ConfigError(
+            f"faults: {','.join(map(str, faults))} with replicas=1 leaves nobody to heal from; "
+            "use replicas>=2 or faults=none"
+        )
     check_fault_support(config, faults)
     return Job(config, faults)
 
@@ -188,16 +223,25 @@ def _keys_at(parent: str) -> list[str]:
 
 
 def _validate(config: DictConfig) -> None:
-    for key in AT_LEAST_ONE:
-        value = OmegaConf.select(config, key)
-        if value < 1:
-            raise ConfigError(f"{key}: must be >= 1, got {value}")
+    for keys, bound, ok in BOUNDS:
+        for key in keys:
+            value = OmegaConf.select(config, key)
+            if not (math.isfinite(value) and ok(value)):
+                finite = "" if math.isfinite(value) else "a finite number "
+                raise ConfigError(f"{key}: must be {finite}{bound}, got {value}")
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(config, key)
         if value not in allowed:
             raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
-    if config.training.lr <= 0:
-        raise ConfigError(f"training.lr: must be > 0, got {config.training.lr}")
+    if config.training.warmup_steps > config.steps:
+        raise ConfigError(
+            f"training.warmup_steps: {config.training.warmup_steps} is more than steps={config.steps}"
+        )
+    if config.run_id is not None and not RUN_ID.fullmatch(config.run_id):
+        raise ConfigError(
+            f"run_id: '{config.run_id}' is not a plain name; use letters, digits, '.', '_', '-' "
+            "(not starting with '.'), at most 128 characters"
+        )
     if config.ft.min_replicas > config.replicas:
         raise ConfigError(
             f"ft.min_replicas: {config.ft.min_replicas} is more than replicas={config.replicas}"
@@ -208,10 +252,10 @@ def _validate(config: DictConfig) -> None:
             f"{config.ft.sync_steps}; in diloco mode the run must end on a sync"
         )
     _validate_hosts(config)
-    for key in ("data.tokenizer_path",):
-        path = OmegaConf.select(config, key)
-        if not os.path.isdir(path):
-            raise ConfigError(f"{key}: no such directory '{path}'")
+    if not os.path.isdir(config.data.tokenizer_path):
+        raise ConfigError(f"data.tokenizer_path: no such directory '{config.data.tokenizer_path}'")
+    if config.data.dataset_path is not None and not os.path.exists(config.data.dataset_path):
+        raise ConfigError(f"data.dataset_path: no such file or directory '{config.data.dataset_path}'")
 
 
 def _validate_hosts(config: DictConfig) -> None:

@@ -74,7 +74,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("loss", f"{_num(loss.get('first'))} -> {_num(loss.get('last'))}"),
         ("wall time", f"{s['wall_s']:.1f}s"),
         ("checkpoints written", str(s["checkpoints_written"])),
-        ("final digests", _digests(s.get("final_param_digest") or {})),
+        ("final digests", _digests(s.get("final_param_digest") or {}, s["replicas"])),
+        ("outcome", _outcome(s.get("outcome") or {})),
     ]
     out = ["", "== monarch-sky run summary =="]
     out += [f"  {name:<20} {value}" for name, value in rows]
@@ -93,6 +94,8 @@ def format_summary(s: dict[str, Any]) -> str:
         out.append(f"  UNPLANNED failure of replica {failure['replica']}: {failure['reason']}")
     for lost in s.get("lost_replicas") or []:
         out.append(f"  replica {lost['replica']} was lost: {lost['reason']}")
+    for replica, reason in (s.get("final_state_errors") or {}).items():
+        out.append(f"  replica {replica}: final state could not be read: {reason}")
     return "\n".join(out)
 
 
@@ -100,9 +103,20 @@ def _num(value) -> str:
     return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
 
 
-def _digests(digests: dict[str, str]) -> str:
+def _digests(digests: dict[str, str], replicas: int) -> str:
+    """Says 'all equal' only when every replica group reported the same digest."""
     if not digests:
+        return "none reported"
+    listed = ", ".join(f"{k}:{v[:10]}" for k, v in sorted(digests.items()))
+    if len(set(digests.values())) > 1:
+        return f"DIFFER ({listed})"
+    if len(digests) < replicas:
+        return f"{len(digests)} of {replicas} groups reported, equal ({listed})"
+    return f"all equal ({listed})"
+
+
+def _outcome(outcome: dict[str, Any]) -> str:
+    if not outcome:
         return "-"
-    unique = set(digests.values())
-    state = "all equal" if len(unique) == 1 else "DIFFER"
-    return f"{state} ({', '.join(f'{k}:{v[:10]}' for k, v in sorted(digests.items()))})"
+    text = f"{outcome['status']} (exit {outcome['exit_code']})"
+    return f"{text}: {'; '.join(outcome['reasons'])}" if outcome.get("reasons") else text

@@ -9,7 +9,6 @@ because the group's FSDP collectives need all of its ranks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -18,6 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from monarch_sky import platform as platform_mod
 from monarch_sky.recipes import TrainerSpec
+from monarch_sky.step_result import StepResult, combine
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +41,21 @@ class ReplicaActor(Actor):
         return time.perf_counter() - start
 
     @endpoint
-    def setup(self) -> dict:
-        """Build the trainer (after `warm`); TorchFT joins the lighthouse on the first step."""
+    def setup(self, rejoining: bool) -> dict:
+        """Build the trainer (after `warm`); TorchFT joins the lighthouse on the first step.
+
+        `rejoining`: the group joins a job already training, so it must heal from a peer.
+        """
         start = time.perf_counter()
         from monarch_sky.trainer import GroupTrainer
 
-        self.trainer = GroupTrainer(self.spec)
+        self.trainer = GroupTrainer(self.spec, rejoining)
         platform_mod.yield_cpu_to_recovery(self.spec.platform_kind)
         return {"pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start}
 
     @endpoint
-    def step(self) -> dict:
-        return dataclasses.asdict(self.trainer.step())
+    def step(self) -> StepResult:
+        return self.trainer.step()
 
     @endpoint
     def final_state(self) -> dict:
@@ -107,6 +110,7 @@ class ReplicaGroup:
         self.actors = None
         self.fault_actors = None
         self.timings: dict[str, float] = {}  # boot_s, import_s (per rank, max), build_s
+        self.pids: list[int] = []  # one per rank, once spawned
 
     def mark_failed(self, report: str) -> None:
         if self.failure is None:
@@ -126,13 +130,14 @@ class ReplicaGroup:
         )
         began = time.monotonic()
         self.fault_actors = self.proc_mesh.spawn(f"{self.owner}-fault", FaultActor)
-        await self._call(self.fault_actors.pid.call(), timeout_s)
+        pids = await self._call(self.fault_actors.pid.call(), timeout_s)
+        self.pids = list(pids.values())
         self.timings["boot_s"] = round(time.monotonic() - began, 3)
         self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor, spec)
         imports = await self._call(self.actors.warm.call(), timeout_s)
         self.timings["import_s"] = round(max(imports.values()), 3)
 
-    async def setup(self, timeout_s: float) -> dict:
+    async def setup(self, rejoining: bool, timeout_s: float) -> dict:
         """Build the trainer on every rank; the group joins TorchFT on its first step."""
         from monarch.spmd import SPMDActor
 
@@ -141,12 +146,12 @@ class ReplicaGroup:
         # address must be the host's reachable IP; the port is picked on the host itself.
         _, port = await self._call(spmd.slice(gpus=0).get_host_port.call_one(None), timeout_s)
         await self._call(spmd.setup_env.call(self.host.ip, port), timeout_s)
-        info = (await self._call(self.actors.setup.call(), timeout_s)).get(0)
+        info = (await self._call(self.actors.setup.call(rejoining), timeout_s)).get(0)
         self.timings["build_s"] = round(info["build_s"], 3)
         return info
 
-    async def step(self, timeout_s: float) -> dict:
-        return (await self._call(self.actors.step.call(), timeout_s)).get(0)
+    async def step(self, timeout_s: float) -> StepResult:
+        return combine(list((await self._call(self.actors.step.call(), timeout_s)).values()))
 
     async def final_state(self, timeout_s: float) -> dict:
         return (await self._call(self.actors.final_state.call(), timeout_s)).get(0)

@@ -9,18 +9,52 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
 from datetime import datetime
 
 from monarch_sky.config import EXIT_CONFIG, Job
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
+from monarch_sky.outcome import failed, stopped
 from monarch_sky.progress import Display
 from monarch_sky.tracking import RunRecord, Tracker, previous_attempt
 
 log = logging.getLogger(__name__)
 
 EVERYTHING = (RUN_ID_ENV, CONTROLLER_ENV)  # hosts, trainers and the controller's helpers
+# What Ctrl-C, `kill`, Slurm, Kubernetes, `sky cancel` and `timeout` send: each is a stop.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(Exception):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def run_until_stopped(controller: Controller) -> dict:
+    """Run the controller; a stop signal cancels it, which shuts every process down."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.ensure_future(controller.run())
+    received: list[int] = []
+
+    def on_signal(signum: int) -> None:
+        if not received:  # a second signal while shutting down changes nothing
+            received.append(signum)
+            main.cancel()
+
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, on_signal, signum)
+    try:
+        return await main
+    except asyncio.CancelledError:
+        if received:
+            raise Stopped(received[0]) from None
+        raise
+    finally:
+        for signum in STOP_SIGNALS:
+            loop.remove_signal_handler(signum)
 
 
 def new_run_id(recipe: str) -> str:
@@ -43,7 +77,7 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     if previous is not None:
         previous["reaped_processes"] = reap_run(run_id, EVERYTHING)
         display.line(
-            f"monarch-sky: run {run_id} lost its previous controller at step {previous['last_step']} "
+            f"monarch-sky: run {run_id} lost its previous controller ({previous['ended']}) at step {previous['last_step']} "
             f"(last recorded); reaped {previous['reaped_processes']} processes it left behind. "
             f"There is no checkpoint, so those {previous['last_step']} steps are lost: "
             "training starts again from step 0."
@@ -64,20 +98,25 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         provider = make_provider(cfg.hosts, run_id, str(hosts_log))
     controller = Controller(job, provider, record, tracker, display, previous_controller=previous)
     try:
-        summary = asyncio.run(controller.run())
+        summary = asyncio.run(run_until_stopped(controller))
+    except (Stopped, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
+        name = signal.Signals(signum).name
+        summary = controller.partial_summary(stopped(name, signum))
+        record.event("stopped", signal=name)
+        display.line(f"stopped by {name}: stopped every process of the run")
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+        summary = controller.partial_summary(failed(error))
+        record.event("run_failed", error=error)
+        display.line(f"monarch-sky: run failed: {error}")
+        log.debug("run failed", exc_info=True)
+    finally:
+        reap_run(run_id, EVERYTHING)
+    try:
         record.write_summary(summary)
         tracker.finish(summary)
         display.finish(summary, str(record.path), tracker.location)
-        return 0 if summary["committed_steps"] >= cfg.steps else 1
-    except KeyboardInterrupt:
-        record.event("interrupted")
-        display.line("interrupted: stopped every process of the run")
-        return 130
-    except Exception as e:
-        record.event("run_failed", error=f"{type(e).__name__}: {e}")
-        display.line(f"monarch-sky: run failed: {type(e).__name__}: {e}")
-        log.debug("run failed", exc_info=True)
-        return 1
     finally:
-        reap_run(run_id, EVERYTHING)
         record.close()
+    return summary["outcome"]["exit_code"]

@@ -72,3 +72,22 @@ class FailureRouter:
         import monarch.actor
 
         monarch.actor.unhandled_fault_hook = self._previous
+
+
+def short_reason(report: str) -> str:
+    """One line a user can act on, from a Monarch supervision report or an error."""
+    text = str(report)
+    marker = "the process this actor was running on failed:"
+    if marker in text:
+        return "process died: " + text.rsplit(marker, 1)[1].strip().splitlines()[0]
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return "unknown failure"
+    if any(line.startswith("Traceback") for line in lines):
+        return lines[-1][:300]  # the exception itself
+    first = lines[0]
+    if first.endswith(":") and len(lines) > 1:
+        first = f"{first} {lines[1]}"
+    if "> has status:" in first:  # "... actor <root>.<...> has status: <status>"
+        return "actor " + first.rsplit("> has status:", 1)[1].strip()[:280]
+    return first[:300]

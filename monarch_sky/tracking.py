@@ -48,11 +48,22 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
     """What an earlier controller of this run id left: None if there was none.
 
     A run whose events exist but whose summary does not lost its controller (killed, or
-    its machine died). Raises FileExistsError if the run id already finished.
+    its machine died); one whose summary says it was stopped or failed may go on too (its
+    summary is kept as `summary-<status>-<n>.json`). Raises FileExistsError if the run id
+    already finished.
     """
+    from monarch_sky.outcome import resumable
+
     path = Path(run_dir) / run_id
-    if (path / "summary.json").exists():
-        raise FileExistsError(f"run {run_id} already finished ({path / 'summary.json'})")
+    summary_path = path / "summary.json"
+    ended = None
+    if summary_path.exists():
+        summary = json.loads(summary_path.read_text())
+        if not resumable(summary):
+            raise FileExistsError(f"run {run_id} already finished ({summary_path})")
+        ended = summary["outcome"]["status"]
+        kept = len(list(path.glob("summary-*.json")))
+        summary_path.replace(path / f"summary-{ended}-{kept}.json")
     events_path = path / "events.jsonl"
     if not events_path.exists():
         return None
@@ -66,6 +77,7 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
     return {
         "last_step": max(steps, default=0),
         "faults_injected": sum(e.get("event") == "fault_injected" for e in events),
+        "ended": ended or "controller lost",
     }
 
 

@@ -18,25 +18,12 @@ import contextlib
 import hashlib
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
 from monarch_sky import platform as platform_mod
 from monarch_sky.recipes import RECIPES, TrainerSpec
-
-
-@dataclass
-class StepResult:
-    replica: int
-    step: int  # committed training steps of this replica group after this call
-    committed: bool  # this step's update stands (diloco: until a failed sync rolls it back)
-    synced: bool  # a TorchFT quorum committed this step across groups (diloco: a sync)
-    loss: float
-    tokens: int  # tokens this group processed in this step
-    participants: int  # replica groups in the quorum this step used
-    healed: bool  # this step loaded state live from a peer
-    seconds: float
+from monarch_sky.step_result import StepResult
 
 
 def import_torchtitan():
@@ -49,11 +36,20 @@ def import_torchtitan():
     return plat
 
 
+REFUSE_REJOIN_COMMIT_ENV = "MONARCH_SKY_TEST_REFUSE_REJOIN_COMMIT"
+
+
 class GroupTrainer:
-    def __init__(self, spec: TrainerSpec):
+    def __init__(self, spec: TrainerSpec, rejoining: bool = False):
         self.spec = spec
         plat = import_torchtitan()
-        self._healed = False
+        self._healed = False  # some step of this generation loaded state from a peer
+        self._healed_now = False
+        # A group that joins a running job holds fresh weights until its first commit.
+        self._joined = not rejoining
+        self._decision: bool | None = None  # what TorchFT's should_commit said this step
+        # Test hook: refuse this rejoining generation's first commit, as a failed step would.
+        self._refuse_a_commit = rejoining and os.environ.get(REFUSE_REJOIN_COMMIT_ENV) == "1"
         self._build(RECIPES[spec.recipe].build_trainer(spec), plat)
 
     def _build(self, config, plat) -> None:
@@ -64,6 +60,7 @@ class GroupTrainer:
 
         self.trainer = trainer = FaultTolerantTrainer(config)
         self.manager = trainer.ft_manager.manager
+        self._record_commit_decisions()
         if plat.backend == "gloo":
             _force_sum_reduction(trainer.model_parts)
         self.state = RankLocalState(trainer, on_load=self._mark_healed)
@@ -88,7 +85,19 @@ class GroupTrainer:
         self._loss_group = loss_mesh.get_group() if loss_mesh is not None else None
 
     def _mark_healed(self) -> None:
-        self._healed = True
+        self._healed = self._healed_now = True
+
+    def _record_commit_decisions(self) -> None:
+        """Keep what `should_commit` returned: TorchFT's commit decision, agreed across the
+        group's ranks. Inferring it from the step counter is wrong after a heal, which sets
+        the counter to the quorum's step before the decision is made."""
+        decide = self.manager.should_commit
+
+        def should_commit(*args, **kwargs) -> bool:
+            self._decision = decide(*args, **kwargs)
+            return self._decision
+
+        self.manager.should_commit = should_commit
 
     def progress(self) -> int:
         """Committed training steps: what survives a failure of this group's peers."""
@@ -103,9 +112,12 @@ class GroupTrainer:
 
         trainer, manager = self.trainer, self.manager
         start = time.perf_counter()
-        synced_before = manager.current_step()
-        trainer.gc_handler.run(synced_before + 1)
+        self._decision = None
+        trainer.gc_handler.run(manager.current_step() + 1)
         trainer.optimizers.zero_grad()  # per-step mode: starts the async TorchFT quorum
+        if self._refuse_a_commit:
+            self._refuse_a_commit = False
+            manager.report_error(RuntimeError("test hook: first commit after rejoining refused"))
         batches = [next(self._data) for _ in range(trainer.gradient_accumulation_steps)]
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         valid_tokens = torch.tensor(local_tokens, dtype=torch.int64, device=trainer.device)
@@ -122,12 +134,12 @@ class GroupTrainer:
             self._params, trainer.config.training.max_norm, foreach=True
         )
         trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
-        synced = manager.current_step() > synced_before
-        committed = self._account(synced)
+        synced = self._decision is True
+        committed = self._account(self._decision)
         if committed:
             trainer.lr_schedulers.step()
         self._align_schedule()
-        healed, self._healed = self._healed, False
+        healed_now, self._healed_now = self._healed_now, False
         return StepResult(
             replica=self.spec.replica,
             step=self.progress(),
@@ -136,18 +148,23 @@ class GroupTrainer:
             loss=self._group_loss(loss),
             tokens=int(valid_tokens.item()),
             participants=manager.num_participants(),
-            healed=healed,
+            healed=self._healed,
+            healed_now=healed_now,
             seconds=time.perf_counter() - start,
         )
 
-    def _account(self, synced: bool) -> bool:
+    def _account(self, decision: bool | None) -> bool:
+        """Whether this step's update stands. `decision`: TorchFT's, None if no quorum ran."""
+        if decision:
+            self._joined = True
         if not self._diloco:
-            return synced
+            return bool(decision)
         self._inner_steps += 1
-        if synced or self._inner_steps >= self._sync_steps:
+        if decision is not None or self._inner_steps >= self._sync_steps:
             # A sync happened: committed, or failed and DiLoCo rolled the weights back.
             self._inner_steps = 0
-        return synced or self._inner_steps > 0
+            return bool(decision)
+        return self._joined
 
     def _align_schedule(self) -> None:
         """Keep the LR schedule a function of committed progress.

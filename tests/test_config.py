@@ -37,6 +37,27 @@ BAD = [
      ["hosts.recipe_yaml"]),
     (["hosts.provider=addresses", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[a:1,b:1,c:1]",
       "faults=host@10:1"], ["faults", "hosts.provider=local"]),
+    *[([f"{key}={value}"], [key, "> 0"]) for key, value in [
+        ("timeouts.spawn_s", 0), ("timeouts.step_s", 0), ("timeouts.stop_s", -1),
+        ("timeouts.step_s", "nan"), ("timeouts.step_s", "inf"),
+        ("ft.process_group_timeout_ms", 0), ("ft.heartbeat_timeout_ms", 0),
+        ("ft.quorum_tick_ms", -5), ("ft.join_timeout_ms", 0),
+        ("hosts.provision_timeout_s", 0), ("hosts.dead_after_s", 0), ("training.lr", 0),
+    ]],
+    *[([f"{key}=-1"], [key, ">= 0"]) for key in [
+        "ft.max_restarts", "training.warmup_steps", "hosts.provision_delay_s",
+        "hosts.max_replacements", "seed",
+    ]],
+    (["training.seq_len=0"], ["training.seq_len", ">= 1"]),
+    (["training.local_batch_size=0"], ["training.local_batch_size", ">= 1"]),
+    (["steps=20", "training.warmup_steps=50"], ["training.warmup_steps", "50 is more than steps=20"]),
+    (["data.dataset_path=/no/such/data"], ["data.dataset_path", "/no/such/data"]),
+    (["replicas=1", "faults=kill@5:0"], ["faults", "kill@5:0", "nobody to heal from", "faults=none"]),
+    (["replicas=1", "faults=host@5:0"], ["faults", "replicas>=2"]),
+    (["run_id=../escape"], ["run_id", "plain name"]),
+    (["run_id=a/b"], ["run_id", "plain name"]),
+    (["run_id=.hidden"], ["run_id", "not starting with '.'"]),
+    (["run_id=" + "x" * 129], ["run_id", "128"]),
 ]
 
 
@@ -68,6 +89,19 @@ def test_auto_fault_follows_the_run_length():
     assert load_job(["steps=50"]).faults == [Fault("kill", 20, 1)]
     assert load_job(["replicas=1"]).faults == []
     assert load_job(["faults=none"]).faults == []
+
+
+def test_plain_run_ids_are_accepted():
+    assert load_job(["run_id=ok-name_1.2"]).config.run_id == "ok-name_1.2"
+    assert load_job(["run_id=" + "x" * 128]).config.run_id == "x" * 128
+
+
+def test_edge_values_that_cannot_hang_are_accepted():
+    job = load_job(["steps=20", "training.warmup_steps=20", "ft.max_restarts=0", "hosts.max_replacements=0",
+                    "hosts.provision_delay_s=0", "data.dataset_path=null", "hosts.dead_after_s=0.5"])
+    assert job.config.training.warmup_steps == 20 and job.config.data.dataset_path is None
+    assert job.config.hosts.dead_after_s == 0.5
+    assert load_job([]).config.hosts.dead_after_s == 2.0
 
 
 def test_overrides_reach_nested_settings():

@@ -1,0 +1,105 @@
+"""What every part of one run shares: settings, services and the live generations.
+
+The controller builds one `RunContext`; slots, the detector and the injector read it. It
+holds no logic beyond building what a replica group needs to start (its spec, its process
+environment) and calling a provider without letting it hold the process open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from monarch_sky import platform as platform_mod
+from monarch_sky.hosts import Host
+from monarch_sky.recipes import TrainerSpec
+
+
+@dataclass
+class RunContext:
+    cfg: Any  # the validated job config
+    provider: Any  # HostProvider
+    record: Any  # RunRecord
+    tracker: Any  # Tracker
+    display: Any  # Display
+    platform: platform_mod.Platform
+    injector: Any = None  # FaultInjector
+    ledger: Any = None  # StepLedger
+    router: Any = None  # supervision.FailureRouter
+    lighthouse_address: str = ""
+    groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
+    lost: list[dict[str, Any]] = field(default_factory=list)
+    unplanned: list[dict[str, Any]] = field(default_factory=list)
+    background: set[asyncio.Task] = field(default_factory=set)
+    finishing: bool = False  # some group reached the target: no more respawns
+    start_time: float = field(default_factory=time.monotonic)
+
+    def phase(self, text: str) -> None:
+        self.display.line(f"[{time.monotonic() - self.start_time:6.1f}s] {text}")
+
+    def dump_folder(self, index: int) -> str:
+        return str(self.record.path / "torchtitan" / f"replica_{index}")
+
+    def spec(self, index: int) -> TrainerSpec:
+        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), self.platform.kind)
+
+    def proc_env(self, host: Host) -> dict[str, str]:
+        env = {
+            "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
+            platform_mod.ADVERTISE_ENV: host.ip,
+            "HF_HUB_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+            "PYTHONUNBUFFERED": "1",
+        }
+        if self.platform.is_cpu:
+            env.update(platform_mod.cpu_thread_env())
+        return env
+
+    def in_background(self, coro) -> asyncio.Task:
+        """Run `coro` on its own; shutdown cancels it. Its errors are logged, not raised."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self._finished)
+        return task
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.record.event("background_error", error=f"{type(task.exception()).__name__}: {task.exception()}")
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run a blocking call (a provider's) in a daemon thread.
+
+    Unlike `asyncio.to_thread`, a call still running when the run ends (a `sky launch` that
+    takes 30 minutes) never holds the process open: the interpreter does not wait for
+    daemon threads, and cancelling the await stops waiting for it at once.
+    """
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(setter, value) -> None:
+        if not future.done():
+            setter(value)
+
+    def deliver(setter, value) -> None:
+        try:
+            loop.call_soon_threadsafe(settle, setter, value)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def work() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            deliver(future.set_exception, e)
+        else:
+            deliver(future.set_result, result)
+
+    threading.Thread(target=work, name=f"provider-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return await future

@@ -1,0 +1,68 @@
+"""Failure detection beside Monarch supervision: what the hosts themselves see.
+
+Monarch supervision usually reports a dead process within a second, but not always (a
+trainer killed mid-step was once reported only 30 s later, by a proc-agent timeout), and it
+takes several seconds to give up on a whole host. So the controller also asks, every half
+second:
+- each host's `HostAgent` (one small process per host, a sibling of the trainers) whether any
+  process of the group running there has exited: the host sees a child exit at once;
+- the host itself, with a TCP connect to its worker (`HostWatchdog`): a host is declared
+  dead only after its probes kept failing for `hosts.dead_after_s`, so one dropped SYN or a
+  slow name lookup never tears down a healthy group.
+The controller acts on whichever signal comes first (supervision, a failed step call, the
+agent, the watchdog).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from monarch.actor import Actor, endpoint
+
+
+class HostAgent(Actor):
+    """Lives on a host beside its replica groups; reports and ends their processes."""
+
+    @endpoint
+    def exited(self, pids: list[int]) -> list[int]:
+        """The pids among `pids` that are no longer running (gone, or a zombie)."""
+        import psutil
+
+        gone = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                    gone.append(pid)
+            except psutil.NoSuchProcess:
+                gone.append(pid)
+        return gone
+
+    @endpoint
+    def kill(self, pids: list[int]) -> None:
+        """SIGKILL a broken group's processes now, so its TorchFT heartbeats stop now."""
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+class HostWatchdog:
+    """Declares a host dead after at least two failed probes spanning `dead_after_s`."""
+
+    def __init__(self, dead_after_s: float):
+        self.dead_after_s = dead_after_s
+        self._failing: dict[str, tuple[float, int]] = {}  # host -> (first failure, count)
+
+    def observe(self, host: str, reachable: bool, now: float) -> bool:
+        """Record one probe of `host` at `now`; True once the host counts as dead."""
+        if reachable:
+            self._failing.pop(host, None)
+            return False
+        first, count = self._failing.get(host, (now, 0))
+        self._failing[host] = (first, count + 1)
+        return count + 1 >= 2 and now - first >= self.dead_after_s
+
+    def forget(self, host: str) -> None:
+        self._failing.pop(host, None)

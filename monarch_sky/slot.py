@@ -1,0 +1,300 @@
+"""One replica group's place in the run: a small state machine over its generations.
+
+    STARTING -> TRAINING -> (failure) RECOVERING -> REJOINING -> TRAINING ... -> DONE
+                                           \\-> LOST (no restarts or host left)
+
+`drive()` runs the group one step per call. When its generation fails (Monarch supervision,
+the host agent, the watchdog, or the step call itself said so) the slot recovers on its own:
+the broken generation's processes are killed at once (so its TorchFT heartbeats stop and the
+survivors stop waiting on it), the generation is discarded or, on a dead host, abandoned and
+the host replaced, and the warm standby becomes the next generation, which heals from a
+peer. Whatever goes wrong in a recovery costs this slot a restart and nothing else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from typing import Any
+
+from monarch_sky.context import RunContext, off_loop
+from monarch_sky.generations import Generations, attach_host
+from monarch_sky.hosts import Host
+from monarch_sky.replica import GroupFailed, ReplicaGroup
+from monarch_sky.step_result import StepResult
+
+
+class SlotState(enum.Enum):
+    STARTING = "starting"
+    TRAINING = "training"
+    RECOVERING = "recovering"
+    REJOINING = "rejoining"  # a new generation trains but has not committed with the others yet
+    DONE = "done"
+    LOST = "lost"
+
+
+class Slot:
+    def __init__(self, ctx: RunContext, index: int, host: Host, host_mesh: Any):
+        self.ctx = ctx
+        self.index = index
+        self.gens = Generations(ctx, index, host, host_mesh)
+        self.agent = None  # this host's HostAgent, once it is up
+        self.group: ReplicaGroup | None = None  # the generation that trains
+        self.state = SlotState.STARTING
+        self.restarts = 0
+        self.step = 0
+        self.uncommitted = 0  # steps this slot's groups ran that TorchFT did not commit
+
+    @property
+    def host(self) -> Host:
+        return self.gens.host
+
+    @property
+    def active(self) -> bool:
+        return self.state in (SlotState.TRAINING, SlotState.DONE)
+
+    # ---- bring-up ----------------------------------------------------------------
+
+    async def activate(self, rejoining: bool) -> bool:
+        """Bring up a new generation that trains; retries up to ft.max_restarts."""
+        while True:
+            began, group = time.monotonic(), None
+            try:
+                group, warm = await self.gens.take()
+                info = await group.setup(rejoining, self.ctx.cfg.timeouts.spawn_s)
+            except Exception as e:  # any failure to start costs this slot a restart, nothing more
+                if group is not None:
+                    await self.gens.discard(group)
+                reason = _describe(e)
+                self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
+                if not self.may_restart(f"could not start: {reason}"):
+                    return False
+                continue
+            self.group = group
+            self.ctx.record.event(
+                "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
+                seconds=round(time.monotonic() - began, 3), pid=info["pid"], **group.timings,
+            )
+            return True
+
+    def may_restart(self, reason: str) -> bool:
+        if self.ctx.finishing:
+            self.lose("the run finished before it could rejoin")
+            return False
+        if self.restarts >= self.ctx.cfg.ft.max_restarts:
+            self.lose(f"{reason}; gave up after {self.restarts} restarts (ft.max_restarts)")
+            return False
+        self.restarts += 1
+        return True
+
+    def lose(self, reason: str) -> None:
+        self.state = SlotState.LOST
+        self.group = None
+        self.ctx.lost.append({"replica": self.index, "reason": reason})
+        self.ctx.record.event("replica_lost", replica=self.index, reason=reason)
+        self.ctx.display.line(f"[replica {self.index}] lost: {reason}; training continues on the others")
+
+    # ---- training ------------------------------------------------------------------
+
+    async def drive(self) -> None:
+        if self.group is None:
+            return
+        self.state = SlotState.TRAINING
+        while self.state not in (SlotState.DONE, SlotState.LOST):
+            if self.ctx.finishing and self.state is SlotState.REJOINING:
+                await self.retire("the run finished before it rejoined")
+                return
+            try:
+                await self._one_step()
+            except GroupFailed as e:
+                await self.recover(_describe(e))
+            except Exception as e:  # a bug or an unexpected answer: this generation is done for
+                self.ctx.record.event("replica_error", replica=self.index, error=_describe(e))
+                if self.group is not None:
+                    self.group.mark_failed(_describe(e))
+                    await self.recover(_describe(e))
+
+    async def _one_step(self) -> None:
+        ctx, group = self.ctx, self.group
+        issued = time.monotonic()
+        call = asyncio.ensure_future(group.step(ctx.cfg.timeouts.step_s))
+        await asyncio.sleep(0)  # let the step go out before a fault aims at it
+        ctx.injector.fire_due(self.index, ctx.ledger.run_step, group, self._kill_host, ctx.ledger.step_seconds)
+        self.on_result(await call, issued)
+
+    def on_result(self, r: StepResult, issued: float) -> None:
+        ctx, now = self.ctx, time.monotonic()
+        self.step = r.step
+        self.uncommitted += not r.committed
+        ctx.ledger.add(r, now)
+        if self.state is SlotState.REJOINING and not r.committed:
+            ctx.record.event("rejoin_step_not_committed", replica=self.index, step=r.step, healed=r.healed)
+        if r.synced:
+            if self.state is SlotState.REJOINING:
+                self._rejoined(r, now)
+            ctx.injector.survivor_committed(r, issued, ctx.cfg.replicas, now)
+        if r.step >= ctx.cfg.steps:
+            self.state = SlotState.DONE
+            ctx.finishing = True
+
+    def _rejoined(self, r: StepResult, now: float) -> None:
+        self.state = SlotState.TRAINING
+        source = "peer" if r.healed else "scratch"
+        faults = self.ctx.injector.rejoined(self.index, source, now)
+        self.ctx.record.event(
+            "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source
+        )
+        after = "".join(f", {rec.seconds(now):.2f}s after the {rec.fault.kind}" for rec in faults)
+        self.ctx.display.line(f"[replica {self.index}] rejoined at step {r.step}{after} (weights from {source})")
+        self.gens.refill_standby()
+
+    def _kill_host(self) -> None:
+        self.ctx.in_background(self._report(self.ctx.provider.kill, self.host, what="killing host"))
+
+    # ---- failures ------------------------------------------------------------------
+
+    def on_failure(self, group: ReplicaGroup, reason: str, at: float) -> None:
+        """Any detector's word that `group` broke; the first one counts."""
+        if group is not self.group:  # a standby died: the next recovery spawns cold
+            if group.failure is None:
+                group.mark_failed(reason)
+                self.ctx.record.event("standby_failed", replica=self.index, generation=group.generation, reason=reason)
+            return
+        if group.detected:
+            return
+        group.mark_failed(reason)  # wakes the step call waiting on this group
+        group.detected = True
+        self._note_detection(group.failure, at)
+        if self.agent is not None and group.pids:
+            # Its live ranks would keep heartbeating to the lighthouse: end them now.
+            self.agent.kill.broadcast(group.pids)
+
+    def _note_detection(self, reason: str, at: float) -> None:
+        faults = self.ctx.injector.detected(self.index, at)
+        if not faults:
+            self.ctx.unplanned.append({"replica": self.index, "step": self.step, "reason": reason})
+        self.ctx.record.event(
+            "failure_detected", replica=self.index, generation=self.group.generation, reason=reason, planned=bool(faults)
+        )
+        tag = "".join(f", {r.seconds(at):.2f}s after the {r.fault.kind}" for r in faults) or " (UNPLANNED)"
+        self.ctx.display.line(f"[replica {self.index}] failed{tag}: {reason}")
+
+    async def recover(self, reason: str) -> None:
+        group = self.group
+        self.on_failure(group, reason, time.monotonic())  # the step call may have been first
+        self.state, self.group = SlotState.RECOVERING, None
+        host_alive = await self._end_generation(group)
+        if not self.may_restart(reason):
+            return
+        while True:
+            try:
+                await self._come_back(host_alive)
+                return
+            except Exception as e:  # never let one slot's recovery end the run
+                self.ctx.record.event("recovery_error", replica=self.index, error=_describe(e))
+                if not self.may_restart(f"recovery failed: {_describe(e)}"):
+                    return
+                host_alive = await off_loop(self.ctx.provider.alive, self.host)
+
+    async def _end_generation(self, group: ReplicaGroup) -> bool:
+        """Stop the broken generation; returns whether its host is still alive."""
+        host_alive = await off_loop(self.ctx.provider.alive, self.host)
+        if host_alive:
+            began = time.monotonic()
+            await self.gens.discard(group)
+            self.ctx.record.event("replica_stopped", replica=self.index, generation=group.generation,
+                                  seconds=round(time.monotonic() - began, 3))
+        else:
+            self.gens.abandon(group)
+            self.gens.abandon_standby()
+            await self._fence(self.host)
+        return host_alive
+
+    async def _come_back(self, host_alive: bool) -> None:
+        if not host_alive and not await self._replace_host():
+            return
+        if not await self.activate(rejoining=True):
+            return
+        if self.ctx.finishing:
+            await self.retire("the run finished before it rejoined")
+            return
+        self.state = SlotState.REJOINING
+        self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}, rejoining")
+
+    async def _fence(self, host: Host) -> None:
+        """A host declared dead may only be cut off (a partition): make sure its processes
+        stop where the provider can reach them. Its replacement gets new TorchFT replica ids
+        (each manager adds a fresh uuid), so old processes can never pose as the new group."""
+        await self._report(self.ctx.provider.kill, host, what="fencing the lost host")
+
+    async def _replace_host(self) -> bool:
+        ctx, lost = self.ctx, self.host
+        ctx.record.event("host_lost", replica=self.index, host=lost.address)
+        ctx.display.line(f"[replica {self.index}] host {lost.name} ({lost.address}) is gone; asking for a replacement")
+        began = time.monotonic()
+        try:
+            host = await asyncio.wait_for(off_loop(ctx.provider.replace, lost), ctx.cfg.hosts.provision_timeout_s)
+            mesh = await attach_host(ctx, host)
+        except Exception as e:
+            reason = _describe(e) or f"no replacement host within {ctx.cfg.hosts.provision_timeout_s:.0f}s"
+            if isinstance(e, asyncio.TimeoutError):
+                reason = f"no replacement host within {ctx.cfg.hosts.provision_timeout_s:.0f}s"
+            ctx.record.event("host_replacement_failed", replica=self.index, reason=reason)
+            self.lose(f"host {lost.name} was lost and no replacement came: {reason}")
+            return False
+        self.gens.move_to(host, mesh)
+        self.agent = None
+        ctx.in_background(self.start_agent())
+        seconds = round(time.monotonic() - began, 3)
+        ctx.record.event("host_replaced", replica=self.index, host=host.address, seconds=seconds)
+        ctx.display.line(f"[replica {self.index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
+        return True
+
+    async def retire(self, reason: str) -> None:
+        group = self.group
+        self.lose(reason)
+        if group is not None:
+            self.gens.forget(group)
+            await group.close(self.ctx.cfg.timeouts.stop_s)
+
+    # ---- host agent, end of run ----------------------------------------------------
+
+    async def start_agent(self) -> None:
+        from monarch_sky.detection import HostAgent
+
+        mesh = self.gens.host_mesh
+        procs = mesh.spawn_procs(per_host={"gpus": 1}, name=f"agent{self.index}x{self.gens.spawned}")
+        agent = procs.spawn("host-agent", HostAgent)
+        await asyncio.wait_for(_await(agent.exited.call_one([])), self.ctx.cfg.timeouts.spawn_s)
+        if self.gens.host_mesh is mesh:
+            self.agent = agent
+
+    async def final_state(self) -> dict[str, Any]:
+        return await self.group.final_state(self.ctx.cfg.timeouts.stop_s)
+
+    async def release(self) -> None:
+        """Tell a live host's worker the run is over (bootstrapped nodes then exit)."""
+        if await off_loop(self.ctx.provider.alive, self.host):
+            await asyncio.wait_for(_await(self.gens.host_mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
+
+    async def _report(self, fn, *args, what: str) -> None:
+        """A provider call whose failure is recorded and shown, never swallowed."""
+        try:
+            await asyncio.wait_for(off_loop(fn, *args), self.ctx.cfg.timeouts.stop_s)
+        except Exception as e:
+            self.ctx.record.event("provider_error", replica=self.index, action=what, error=_describe(e))
+            self.ctx.display.line(f"[replica {self.index}] {what} failed: {_describe(e)}")
+
+
+async def _await(future):
+    return await future
+
+
+def _describe(e: BaseException) -> str:
+    from monarch_sky.supervision import short_reason
+
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    return short_reason(str(e)) if str(e) else type(e).__name__
+

@@ -1,0 +1,42 @@
+"""What one training step of a replica group did, as the controller records it.
+
+Every rank of a group answers a step call with its own `StepResult`; `combine` turns them
+into the group's answer. TorchFT agrees the commit decision across a group's ranks, but the
+controller still reads every rank: a step counts only if every rank committed it, and a
+group has healed if any of its ranks loaded state from a peer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class StepResult:
+    replica: int
+    step: int  # committed training steps of this replica group after this call
+    committed: bool  # this step's update stands (diloco: until a failed sync rolls it back)
+    synced: bool  # a cross-group TorchFT quorum committed this step (diloco: a sync)
+    loss: float | None  # None: the group still held fresh weights (it healed in this step)
+    tokens: int  # tokens this group processed in this step
+    participants: int  # replica groups in the quorum this step used
+    healed: bool  # this generation has loaded state live from a peer (in this or an earlier step)
+    healed_now: bool  # ... in this step
+    seconds: float
+
+
+def combine(per_rank: list[StepResult]) -> StepResult:
+    """The group's result from its ranks' results (rank 0 first)."""
+    first = per_rank[0]
+    committed = all(r.committed for r in per_rank)
+    healed_now = any(r.healed_now for r in per_rank)
+    return replace(
+        first,
+        step=min(r.step for r in per_rank),
+        committed=committed,
+        synced=committed and all(r.synced for r in per_rank),
+        loss=None if healed_now else first.loss,
+        healed=any(r.healed for r in per_rank),
+        healed_now=healed_now,
+        seconds=max(r.seconds for r in per_rank),
+    )

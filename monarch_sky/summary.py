@@ -1,0 +1,45 @@
+"""The run's summary (`summary.json`): what was committed, what failed, how it ended."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from monarch_sky.context import RunContext
+from monarch_sky.outcome import judge
+from monarch_sky.trainer import checkpoint_files
+
+
+def build_summary(
+    ctx: RunContext,
+    slots: list,
+    final: dict[str, dict[str, Any]],
+    final_errors: dict[str, str],
+    previous_controller: dict[str, Any] | None,
+) -> dict[str, Any]:
+    cfg = ctx.cfg
+    summary = {
+        "run_id": ctx.record.path.name,
+        "recipe": cfg.recipe,
+        "replicas": cfg.replicas,
+        "procs_per_replica": cfg.procs_per_replica,
+        "ft_mode": cfg.ft.mode,
+        "platform": ctx.platform.kind,
+        "target_steps": cfg.steps,
+        "committed_steps": ctx.ledger.run_step,
+        "checkpoints_written": sum(len(checkpoint_files(ctx.dump_folder(i))) for i in range(cfg.replicas)),
+        "loss": ctx.ledger.first_and_last_loss(),
+        "wall_s": round(time.monotonic() - ctx.start_time, 3),
+        "final_param_digest": {k: v["digest"] for k, v in final.items()},
+        "final_lr": {k: v["lr"] for k, v in final.items()},
+        "scheduler_steps": {k: v["scheduler_steps"] for k, v in final.items()},
+        "final_state_errors": final_errors,
+        "uncommitted_steps": {str(s.index): s.uncommitted for s in slots},
+        "faults": [r.to_summary() for r in ctx.injector.records],
+        "unplanned_failures": ctx.unplanned,
+        "lost_replicas": ctx.lost,
+        "restarts": {str(s.index): s.restarts for s in slots},
+        "previous_controller": previous_controller,
+    }
+    summary["outcome"] = judge(summary)
+    return summary
