@@ -54,6 +54,7 @@ class FTSettings:
     heartbeat_timeout_ms: int = 1000  # lighthouse drops a silent replica after this
     quorum_tick_ms: int = 100
     join_timeout_ms: int = 10000
+    quorum_timeout_s: int = 60  # a group waiting this long for a TorchFT quorum fails its step
     max_restarts: int = 3  # respawns of one replica group before it is given up
     standby: bool = True  # keep a warm spare process set per group: recovery skips imports
 
@@ -137,6 +138,7 @@ MORE_THAN_ZERO = (  # a zero timeout or tick fails every wait, or never ends one
     "ft.heartbeat_timeout_ms",
     "ft.quorum_tick_ms",
     "ft.join_timeout_ms",
+    "ft.quorum_timeout_s",
     "timeouts.spawn_s",
     "timeouts.step_s",
     "timeouts.stop_s",
@@ -241,6 +243,11 @@ def _validate(config: DictConfig) -> None:
         raise ConfigError(
             f"run_id: '{config.run_id}' is not a plain name; use letters, digits, '.', '_', '-' "
             "(not starting with '.'), at most 128 characters"
+        )
+    if config.ft.quorum_timeout_s >= config.timeouts.step_s:
+        raise ConfigError(
+            f"ft.quorum_timeout_s: {config.ft.quorum_timeout_s} must be below timeouts.step_s="
+            f"{config.timeouts.step_s:g}, so TorchFT gives up on a quorum before the controller gives up on the step"
         )
     if config.ft.min_replicas > config.replicas:
         raise ConfigError(

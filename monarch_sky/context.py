@@ -32,6 +32,7 @@ class RunContext:
     router: Any = None  # supervision.FailureRouter
     lighthouse_address: str = ""
     groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
+    slots: list[Any] = field(default_factory=list)  # one Slot per replica group
     lost: list[dict[str, Any]] = field(default_factory=list)
     unplanned: list[dict[str, Any]] = field(default_factory=list)
     background: set[asyncio.Task] = field(default_factory=set)
@@ -55,6 +56,7 @@ class RunContext:
             "HF_DATASETS_OFFLINE": "1",
             "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
             "PYTHONUNBUFFERED": "1",
+            "TORCHFT_QUORUM_TIMEOUT_SEC": str(self.cfg.ft.quorum_timeout_s),
         }
         if self.platform.is_cpu:
             env.update(platform_mod.cpu_thread_env())

@@ -47,7 +47,7 @@ class Controller:
         self.ctx = ctx = RunContext(cfg, provider, record, tracker, display, platform_mod.detect())
         ctx.injector = FaultInjector(job.faults, cfg.seed, cfg.procs_per_replica, record, display, tracker)
         ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
-        self.slots: list[Slot] = []
+        self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
         self.watchdog = HostWatchdog(cfg.hosts.dead_after_s)
         self.previous_controller = previous_controller
@@ -125,13 +125,42 @@ class Controller:
         await asyncio.wait(waits, timeout=self.ctx.cfg.timeouts.spawn_s)
 
     async def _drive_all(self) -> None:
-        """Every slot trains on its own; one slot's trouble never cancels another's."""
-        results = await asyncio.gather(*(s.drive() for s in self.slots), return_exceptions=True)
-        for slot, result in zip(self.slots, results):
-            if isinstance(result, Exception):
-                self.ctx.record.event("replica_error", replica=slot.index, error=f"{type(result).__name__}: {result}")
-                if slot.state is not SlotState.DONE:
-                    slot.lose(f"controller error: {type(result).__name__}: {result}")
+        """Every slot trains on its own; one slot's trouble never cancels another's.
+
+        Once a group reaches the target, a slot still recovering stops at once (its group
+        could not rejoin anyway) and a slot still training gets `timeouts.stop_s` to finish
+        its last step, so the run ends promptly even while a provider call or a step hangs.
+        """
+        ctx = self.ctx
+        tasks = {asyncio.ensure_future(s.drive()): s for s in self.slots}
+        pending = set(tasks)
+        try:
+            while pending and not ctx.finishing:
+                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in pending:
+                if tasks[task].state is not SlotState.TRAINING:
+                    task.cancel()
+            if pending:
+                _, pending = await asyncio.wait(pending, timeout=ctx.cfg.timeouts.stop_s)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for task, slot in tasks.items():
+            self._settle(slot, task)
+
+    def _settle(self, slot: Slot, task: asyncio.Task) -> None:
+        """Say why a slot that did not finish the run ended."""
+        if slot.state in (SlotState.DONE, SlotState.LOST):
+            return
+        if not task.cancelled() and task.exception() is not None:
+            error = f"{type(task.exception()).__name__}: {task.exception()}"
+            self.ctx.record.event("replica_error", replica=slot.index, error=error)
+            slot.lose(f"controller error: {error}")
+        elif slot.state is SlotState.TRAINING:
+            slot.lose(f"did not finish its last step within timeouts.stop_s={self.ctx.cfg.timeouts.stop_s:g}s")
+        else:
+            slot.lose("the run finished before it rejoined")
 
     # ---- failure detection -----------------------------------------------------------
 

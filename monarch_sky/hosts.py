@@ -222,23 +222,42 @@ class SkyPilotHosts(AddressListHosts):
         return host
 
     def shutdown(self) -> None:
+        """Take down every replacement cluster; raises HostError naming any left up."""
         super().shutdown()
+        failed = []
         for cluster in self.launched:
             try:
-                self._sky("down", "-y", cluster, timeout_s=600)
-            except HostError:
-                pass  # reported by _sky; the cluster stays for the user to take down
+                self._sky("down", "-y", cluster, timeout_s=600, cancellable=False)
+            except HostError as e:
+                failed.append(f"{cluster} ({e})")
+        if failed:
+            raise HostError(f"replacement clusters may still be up, take them down with `sky down`: {'; '.join(failed)}")
 
-    def _sky(self, *args: str, timeout_s: float | None = None) -> str:
-        try:
-            proc = subprocess.run(
-                [self.sky, *args], capture_output=True, text=True, timeout=timeout_s or self.wait_s
-            )
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise HostError(f"`sky {' '.join(args)}` failed: {e}") from None
-        if proc.returncode != 0:
-            raise HostError(f"`sky {' '.join(args)}` exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-        return proc.stdout
+    def _sky(self, *args: str, timeout_s: float | None = None, cancellable: bool = True) -> str:
+        """Run the sky CLI; a run that shuts down ends a cancellable call at once."""
+        import tempfile
+
+        command = f"sky {' '.join(args)}"
+        limit_s = timeout_s or self.wait_s
+        # Files, not pipes: a chatty `sky launch` would block on a full pipe we do not read.
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            try:
+                proc = subprocess.Popen([self.sky, *args], stdout=out, stderr=err, text=True)
+            except OSError as e:
+                raise HostError(f"`{command}` failed: {e}") from None
+            deadline = time.monotonic() + limit_s
+            while proc.poll() is None:
+                if (cancellable and self._closed.is_set()) or time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    why = "the run is shutting down" if self._closed.is_set() else f"it took over {limit_s:.0f}s"
+                    raise HostError(f"`{command}` stopped: {why}")
+                time.sleep(0.5)
+            out.seek(0)
+            err.seek(0)
+            if proc.returncode != 0:
+                raise HostError(f"`{command}` exited {proc.returncode}: {err.read().strip()[-500:]}")
+            return out.read()
 
 
 def load_recipe(path: str) -> dict:

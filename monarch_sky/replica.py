@@ -58,6 +58,10 @@ class ReplicaActor(Actor):
         return self.trainer.step()
 
     @endpoint
+    def join(self) -> StepResult:
+        return self.trainer.join()
+
+    @endpoint
     def final_state(self) -> dict:
         return self.trainer.final_state()
 
@@ -152,6 +156,10 @@ class ReplicaGroup:
 
     async def step(self, timeout_s: float) -> StepResult:
         return combine(list((await self._call(self.actors.step.call(), timeout_s)).values()))
+
+    async def join(self, timeout_s: float) -> StepResult:
+        """DiLoCo: heal at the other groups' next sync (see `GroupTrainer.join`)."""
+        return combine(list((await self._call(self.actors.join.call(), timeout_s)).values()))
 
     async def final_state(self, timeout_s: float) -> dict:
         return (await self._call(self.actors.final_state.call(), timeout_s)).get(0)

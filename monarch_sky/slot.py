@@ -20,7 +20,7 @@ from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.generations import Generations, attach_host
-from monarch_sky.hosts import Host
+from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import GroupFailed, ReplicaGroup
 from monarch_sky.step_result import StepResult
 
@@ -106,7 +106,10 @@ class Slot:
                 await self.retire("the run finished before it rejoined")
                 return
             try:
-                await self._one_step()
+                if self.state is SlotState.REJOINING and self.ctx.cfg.ft.mode == "diloco":
+                    await self._join_next_sync()
+                else:
+                    await self._one_step()
             except GroupFailed as e:
                 await self.recover(_describe(e))
             except Exception as e:  # a bug or an unexpected answer: this generation is done for
@@ -122,6 +125,25 @@ class Slot:
         await asyncio.sleep(0)  # let the step go out before a fault aims at it
         ctx.injector.fire_due(self.index, ctx.ledger.run_step, group, self._kill_host, ctx.ledger.step_seconds)
         self.on_result(await call, issued)
+
+    async def _join_next_sync(self) -> None:
+        """DiLoCo: a new generation heals only at a sync, so it waits until another group's
+        next step is a sync, then joins that quorum without training first. Asking earlier
+        would wait in the lighthouse past TorchFT's quorum timeout, or take a quorum without
+        a survivor that comes later."""
+        ctx, every = self.ctx, self.ctx.cfg.ft.sync_steps
+        began = time.monotonic()
+        deadline = began + every * ctx.cfg.timeouts.step_s
+        while not ctx.finishing and time.monotonic() < deadline:
+            others = [s for s in ctx.slots if s is not self and s.state is SlotState.TRAINING]
+            if not others or any(s.step % every == every - 1 for s in others):
+                break
+            await asyncio.sleep(0.02)
+        if ctx.finishing:
+            return
+        issued = time.monotonic()
+        ctx.record.event("rejoin_joined_sync", replica=self.index, waited_s=round(issued - began, 3))
+        self.on_result(await self.group.join(ctx.cfg.timeouts.step_s), issued)
 
     def on_result(self, r: StepResult, issued: float) -> None:
         ctx, now = self.ctx, time.monotonic()
@@ -193,7 +215,8 @@ class Slot:
                 return
             except Exception as e:  # never let one slot's recovery end the run
                 self.ctx.record.event("recovery_error", replica=self.index, error=_describe(e))
-                if not self.may_restart(f"recovery failed: {_describe(e)}"):
+                self.ctx.display.line(f"[replica {self.index}] recovery failed: {_describe(e)}")
+                if not self.may_restart(_describe(e)):
                     return
                 host_alive = await off_loop(self.ctx.provider.alive, self.host)
 
@@ -212,8 +235,8 @@ class Slot:
         return host_alive
 
     async def _come_back(self, host_alive: bool) -> None:
-        if not host_alive and not await self._replace_host():
-            return
+        if not host_alive:
+            await self._replace_host()
         if not await self.activate(rejoining=True):
             return
         if self.ctx.finishing:
@@ -228,28 +251,26 @@ class Slot:
         (each manager adds a fresh uuid), so old processes can never pose as the new group."""
         await self._report(self.ctx.provider.kill, host, what="fencing the lost host")
 
-    async def _replace_host(self) -> bool:
+    async def _replace_host(self) -> None:
+        """Move the slot to a new host; raises HostError (a restart of this slot) if none comes."""
         ctx, lost = self.ctx, self.host
+        timeout_s = ctx.cfg.hosts.provision_timeout_s
         ctx.record.event("host_lost", replica=self.index, host=lost.address)
         ctx.display.line(f"[replica {self.index}] host {lost.name} ({lost.address}) is gone; asking for a replacement")
         began = time.monotonic()
         try:
-            host = await asyncio.wait_for(off_loop(ctx.provider.replace, lost), ctx.cfg.hosts.provision_timeout_s)
+            host = await asyncio.wait_for(off_loop(ctx.provider.replace, lost), timeout_s)
             mesh = await attach_host(ctx, host)
         except Exception as e:
-            reason = _describe(e) or f"no replacement host within {ctx.cfg.hosts.provision_timeout_s:.0f}s"
-            if isinstance(e, asyncio.TimeoutError):
-                reason = f"no replacement host within {ctx.cfg.hosts.provision_timeout_s:.0f}s"
+            reason = f"no replacement host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else _describe(e)
             ctx.record.event("host_replacement_failed", replica=self.index, reason=reason)
-            self.lose(f"host {lost.name} was lost and no replacement came: {reason}")
-            return False
+            raise HostError(f"host {lost.name} was lost and no replacement came: {reason}") from None
         self.gens.move_to(host, mesh)
         self.agent = None
         ctx.in_background(self.start_agent())
         seconds = round(time.monotonic() - began, 3)
         ctx.record.event("host_replaced", replica=self.index, host=host.address, seconds=seconds)
         ctx.display.line(f"[replica {self.index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
-        return True
 
     async def retire(self, reason: str) -> None:
         group = self.group

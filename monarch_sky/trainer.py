@@ -37,6 +37,10 @@ def import_torchtitan():
 
 
 REFUSE_REJOIN_COMMIT_ENV = "MONARCH_SKY_TEST_REFUSE_REJOIN_COMMIT"
+REJOIN_KEY = "monarch_sky_rejoin"
+# Test hook: the replica named here gets different weights after its first commit (a
+# negative control for the digest check; before it, TorchFT's first quorum syncs them).
+PERTURB_REPLICA_ENV = "MONARCH_SKY_TEST_PERTURB_REPLICA"
 
 
 class GroupTrainer:
@@ -46,6 +50,7 @@ class GroupTrainer:
         self._healed = False  # some step of this generation loaded state from a peer
         self._healed_now = False
         # A group that joins a running job holds fresh weights until its first commit.
+        self._rejoining = rejoining
         self._joined = not rejoining
         self._decision: bool | None = None  # what TorchFT's should_commit said this step
         # Test hook: refuse this rejoining generation's first commit, as a failed step would.
@@ -66,7 +71,7 @@ class GroupTrainer:
         self.state = RankLocalState(trainer, on_load=self._mark_healed)
         self.manager.register_state_dict_fn(STATE_KEY, self.state.load, self.state.state_dict)
         self._context = contextlib.ExitStack()
-        self._context.enter_context(
+        semi_sync = self._context.enter_context(
             maybe_semi_sync_training(
                 config.fault_tolerance,
                 ft_manager=trainer.ft_manager,
@@ -78,11 +83,27 @@ class GroupTrainer:
         )
         self._diloco = config.fault_tolerance.semi_sync_method is not None
         self._sync_steps = config.fault_tolerance.sync_steps
+        if self._diloco:
+            # Registered after DiLoCo's own state, so it loads last (see `_contribute_nothing`).
+            self.manager.register_state_dict_fn(REJOIN_KEY, self._contribute_nothing, dict)
+            self._fragments = semi_sync._fragments  # torchft has no public accessor
         self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
         self._data = trainer.batch_generator(trainer.dataloader)
         self._params = [p for m in trainer.model_parts for p in m.parameters()]
+        self._perturb = os.environ.get(PERTURB_REPLICA_ENV) == str(self.spec.replica)
         loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")
         self._loss_group = loss_mesh.get_group() if loss_mesh is not None else None
+
+    def _contribute_nothing(self, _state: dict) -> None:
+        """DiLoCo: a rejoining group heals inside the sync, before its pseudo-gradient
+        (original minus current parameters) is computed. Having just received the peer's
+        current parameters, it would send that peer's pseudo-gradient a second time and
+        count the peer twice in the outer average. Resetting its parameters to the healed
+        originals makes its pseudo-gradient zero: it adds nothing to this one sync.
+        """
+        if self._rejoining:
+            for fragment in self._fragments:
+                fragment.restore_parameters()
 
     def _mark_healed(self) -> None:
         self._healed = self._healed_now = True
@@ -139,6 +160,10 @@ class GroupTrainer:
         if committed:
             trainer.lr_schedulers.step()
         self._align_schedule()
+        if self._perturb and committed:
+            self._perturb = False
+            with torch.no_grad():
+                self._params[0].add_(1e-3)
         healed_now, self._healed_now = self._healed_now, False
         return StepResult(
             replica=self.spec.replica,
@@ -148,6 +173,38 @@ class GroupTrainer:
             loss=self._group_loss(loss),
             tokens=int(valid_tokens.item()),
             participants=manager.num_participants(),
+            healed=self._healed,
+            healed_now=healed_now,
+            seconds=time.perf_counter() - start,
+        )
+
+    def join(self) -> StepResult:
+        """DiLoCo: take part in the next sync without training first.
+
+        Steps the optimizer through one sync interval with no gradients (AdamW skips
+        parameters without one), so DiLoCo's hooks run the sync: the quorum heals this group
+        from a peer. No data is read and no inner step runs on the fresh weights. The
+        controller calls this when the other groups are about to sync.
+        """
+        trainer, start = self.trainer, time.perf_counter()
+        self._decision = None
+        trainer.optimizers.zero_grad()
+        for _ in range(self._sync_steps):
+            trainer.optimizers.step()
+            if self._decision is not None:
+                break
+        self._joined = self._joined or bool(self._decision)
+        self._inner_steps = 0
+        self._align_schedule()
+        healed_now, self._healed_now = self._healed_now, False
+        return StepResult(
+            replica=self.spec.replica,
+            step=self.progress(),
+            committed=bool(self._decision),
+            synced=bool(self._decision),
+            loss=None,
+            tokens=0,
+            participants=self.manager.num_participants(),
             healed=self._healed,
             healed_now=healed_now,
             seconds=time.perf_counter() - start,

@@ -51,13 +51,18 @@ def train_command(run_dir: Path, run_id: str, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "monarch_sky", "train", f"run_dir={run_dir}", f"run_id={run_id}", *overrides]
 
 
-def train(tmp_path: Path, *overrides: str, tag: str | None = None, timeout_s: float = 600) -> Run:
-    """Run `monarch-sky train` to completion and report what it left running."""
+def train(
+    tmp_path: Path, *overrides: str, tag: str | None = None, timeout_s: float = 600, env: dict | None = None
+) -> Run:
+    """Run `monarch-sky train` to completion and report what it left running.
+
+    `env`: extra environment, e.g. a test hook (MONARCH_SKY_TEST_*).
+    """
     tag = tag or new_tag()
     proc = subprocess.run(
         train_command(tmp_path, tag, *overrides),
         cwd=REPO,
-        env=cli_env(tag),
+        env={**cli_env(tag), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout_s,

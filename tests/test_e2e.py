@@ -8,7 +8,10 @@ loss went down, and nothing was left running.
 
 from __future__ import annotations
 
-from conftest import Run, train
+import subprocess
+import sys
+
+from conftest import REPO, Run, cli_env, leftovers, new_tag, train
 
 CHECKPOINT_MARKS = ("checkpoint", ".distcp", ".safetensors", ".pt")
 
@@ -16,6 +19,7 @@ CHECKPOINT_MARKS = ("checkpoint", ".distcp", ".safetensors", ".pt")
 def assert_recovered(run: Run, kind: str, replica: int, replicas: int) -> dict:
     assert run.returncode == 0, run.output[-4000:]
     s = run.summary
+    assert s["outcome"] == {"exit_code": 0, "status": "ok", "reasons": []}
     assert s["committed_steps"] == s["target_steps"]
     assert s["unplanned_failures"] == [], "a survivor died because a peer died"
     assert s["lost_replicas"] == []
@@ -56,10 +60,46 @@ def test_segfault_recovers_from_warm_standby(run_dir):
     assert "segfault -> replica 2" in run.output and "rejoined" in run.output
 
 
-def test_diloco_heals_at_the_next_sync(run_dir):
-    run = train(run_dir, "replicas=2", "steps=40", "ft.mode=diloco", "ft.sync_steps=5", "faults=kill@15:0")
+def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(run_dir):
+    # The next sync is ~10 steps after the respawn, longer than TorchFT's quorum timeout of
+    # 1 s: a rejoiner that asked for its quorum at once would fail again and again.
+    run = train(
+        run_dir, "replicas=2", "steps=60", "ft.mode=diloco", "ft.sync_steps=20",
+        "ft.quorum_timeout_s=1", "faults=kill@21:0",
+    )
     assert_recovered(run, "kill", replica=0, replicas=2)
     assert run.summary["ft_mode"] == "diloco"
+    assert run.summary["restarts"] == {"0": 1, "1": 0}, "the rejoiner was declared failed again"
+    [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
+    assert rejoined["step"] % 20 == 0, f"DiLoCo heals at a sync, not at step {rejoined['step']}"
+    [waited] = [e for e in run.events if e["event"] == "rejoin_joined_sync"]
+    assert waited["waited_s"] > 1, "test premise: the rejoiner must wait longer than the quorum timeout"
+
+
+def test_rejoin_is_recorded_only_when_a_commit_with_the_peers_succeeds(run_dir):
+    # The respawned group heals, but its first commit is refused (test hook): that step is
+    # not its rejoin. It heals again at the next quorum and commits then.
+    hook = {"MONARCH_SKY_TEST_REFUSE_REJOIN_COMMIT": "1"}
+    run = train(run_dir, "replicas=2", "steps=40", "faults=kill@10:1", env=hook)
+    assert_recovered(run, "kill", replica=1, replicas=2)
+    [refused] = [e for e in run.events if e["event"] == "rejoin_step_not_committed"]
+    [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
+    assert refused["replica"] == rejoined["replica"] == 1
+    assert rejoined["step"] > refused["step"], (refused, rejoined)
+    assert run.summary["uncommitted_steps"]["1"] >= 1
+
+
+def test_groups_with_different_weights_fail_the_run(run_dir):
+    # Negative control for the digest check: replica 1 starts with different weights.
+    hook = {"MONARCH_SKY_TEST_PERTURB_REPLICA": "1"}
+    run = train(run_dir, "replicas=2", "steps=5", "faults=none", "ft.standby=false", env=hook)
+    assert run.returncode == 4, run.output[-3000:]
+    s = run.summary
+    assert s["committed_steps"] == 5
+    assert len(set(s["final_param_digest"].values())) == 2
+    assert s["outcome"]["status"] == "diverged"
+    assert "DIFFER" in run.output and "diverged (exit 4)" in run.output
+    assert run.leftovers == []
 
 
 def test_host_loss_replacement_host_rejoins_from_peer(run_dir):
@@ -77,14 +117,48 @@ def test_replacement_host_never_arrives_training_finishes_without_it(run_dir):
         run_dir, "replicas=2", "steps=60", "faults=host@15:1",
         "hosts.provision_delay_s=600", "hosts.provision_timeout_s=2",
     )
-    assert run.returncode == 0, run.output[-4000:]
+    assert run.returncode == 3, run.output[-4000:]
     s = run.summary
+    assert s["outcome"]["status"] == "degraded"
     assert s["committed_steps"] == 60
     assert s["unplanned_failures"] == []
     [lost] = s["lost_replicas"]
     assert lost["replica"] == 1 and "no replacement" in lost["reason"]
+    assert s["restarts"]["0"] == 0, "the survivor was never restarted"
     [fault] = s["faults"]
     assert fault["rejoined_s"] is None and fault["recovered_from"] is None
     assert list(s["final_param_digest"]) == ["0"], "only the survivor finished"
-    assert "replica 1 was lost" in run.output
+    assert "replica 1 was lost" in run.output and "1 of 2 groups reported" in run.output
+    assert "all equal" not in run.output
+    assert run.leftovers == [], run.leftovers
+
+
+def run_with_provider(run_dir, kind: str, *overrides: str, timeout_s: float = 600) -> Run:
+    """`monarch-sky train` with a misbehaving host provider from tests/providers.py."""
+    tag = new_tag()
+    proc = subprocess.run(
+        [sys.executable, "tests/providers.py", kind, f"run_dir={run_dir}", f"run_id={tag}", *overrides],
+        cwd=REPO, env=cli_env(tag), capture_output=True, text=True, timeout=timeout_s,
+    )
+    return Run(proc.returncode, proc.stdout + proc.stderr, run_dir / tag, leftovers(tag))
+
+
+def test_a_provider_error_during_respawn_costs_only_that_group_a_restart(run_dir):
+    run = run_with_provider(run_dir, "fails-once", "replicas=2", "steps=120", "faults=host@15:1",
+                            "hosts.provision_delay_s=1")
+    assert_recovered(run, "host", replica=1, replicas=2)
+    assert run.summary["restarts"] == {"0": 0, "1": 2}, "one restart for the host, one for the provider error"
+    [error] = [e for e in run.events if e["event"] == "recovery_error"]
+    assert error["replica"] == 1 and "provider API error 500" in error["error"]
+
+
+def test_a_provider_call_that_never_returns_does_not_hold_the_run(run_dir):
+    # The replacement host never comes and the provider call cannot be interrupted: the run
+    # must still end (the test's timeout is far below the provider's hour).
+    run = run_with_provider(run_dir, "never-answers", "replicas=2", "steps=30", "faults=host@10:1",
+                            "hosts.provision_timeout_s=3000", timeout_s=400)
+    assert run.returncode == 3, run.output[-3000:]
+    [lost] = run.summary["lost_replicas"]
+    assert lost["replica"] == 1 and "finished before it rejoined" in lost["reason"]
+    assert run.summary["committed_steps"] == 30
     assert run.leftovers == [], run.leftovers

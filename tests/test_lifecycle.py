@@ -7,6 +7,8 @@ import signal
 import subprocess
 import time
 
+import pytest
+
 from conftest import REPO, cli_env, leftovers, new_tag, train, train_command
 
 
@@ -28,20 +30,26 @@ def start(tmp_path, tag: str, *overrides: str) -> subprocess.Popen:
     )
 
 
-def test_ctrl_c_stops_every_process(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_stops_every_process_and_writes_the_record(tmp_path, signum):
+    # SIGTERM is what Slurm, Kubernetes, `sky cancel` and `timeout` send: a stop, like Ctrl-C.
     tag = new_tag()
     proc = start(tmp_path, tag, "replicas=2", "steps=10000", "faults=none", "ft.standby=false")
     try:
         wait_for_event(tmp_path / tag / "events.jsonl", "training_started", timeout_s=300)
         time.sleep(3)  # mid-training
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         output, _ = proc.communicate(timeout=90)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, output[-3000:]
-    assert "interrupted" in output
+    assert proc.returncode == 128 + signum, output[-3000:]
+    name = signal.Signals(signum).name
+    assert f"stopped by {name}" in output
     assert leftovers(tag) == []
+    summary = json.loads((tmp_path / tag / "summary.json").read_text())
+    assert summary["outcome"] == {"exit_code": 128 + signum, "status": "stopped", "reasons": [f"stopped by {name}"]}
+    assert 0 < summary["committed_steps"] < 10000
 
 
 def test_new_controller_reaps_a_dead_controllers_processes(tmp_path):

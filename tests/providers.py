@@ -1,0 +1,52 @@
+"""Host providers that misbehave on purpose, run under a real controller.
+
+`python tests/providers.py KIND KEY=VALUE ...` runs `monarch-sky train` with the provider
+KIND instead of the one the config names; everything else is the real thing.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from monarch_sky.hosts import Host, LocalHosts
+
+
+class FailsOnceHosts(LocalHosts):
+    """The first replacement request fails the way a cloud API error would."""
+
+    failed = False
+
+    def replace(self, lost: Host) -> Host:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("provider API error 500 (test)")
+        return super().replace(lost)
+
+
+class NeverAnswersHosts(LocalHosts):
+    """A replacement request that never returns and cannot be interrupted (a stuck `sky launch`)."""
+
+    def replace(self, lost: Host) -> Host:
+        time.sleep(3600)
+        raise AssertionError("unreachable")
+
+
+PROVIDERS = {"fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts}
+
+
+def main(kind: str, overrides: list[str]) -> int:
+    from monarch_sky import supervision
+
+    supervision.configure_monarch_env()
+    from monarch_sky.config import load_job
+    from monarch_sky.run import run_job
+
+    job = load_job(overrides)
+    cfg = job.config
+    provider = PROVIDERS[kind](cfg.run_id, provision_delay_s=cfg.hosts.provision_delay_s)
+    return run_job(job, provider)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
