@@ -62,6 +62,15 @@ class RunContext:
             env.update(platform_mod.cpu_thread_env())
         return env
 
+    async def provider_call(self, fn: Callable[..., Any], *args: Any, what: str) -> None:
+        """A provider call whose failure is recorded and shown, never swallowed."""
+        try:
+            await asyncio.wait_for(off_loop(fn, *args), self.cfg.timeouts.stop_s)
+        except Exception as e:
+            error = "timed out" if isinstance(e, asyncio.TimeoutError) else f"{type(e).__name__}: {e}"
+            self.record.event("provider_error", action=what, error=error)
+            self.display.line(f"monarch-sky: {what} failed: {error}")
+
     def in_background(self, coro) -> asyncio.Task:
         """Run `coro` on its own; shutdown cancels it. Its errors are logged, not raised."""
         task = asyncio.ensure_future(coro)

@@ -145,9 +145,10 @@ class Controller:
         finally:
             for task in tasks:
                 task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.wait(tasks, timeout=ctx.cfg.timeouts.stop_s)  # their cleanup is bounded
         for task, slot in tasks.items():
-            self._settle(slot, task)
+            if task.done():
+                self._settle(slot, task)
 
     def _settle(self, slot: Slot, task: asyncio.Task) -> None:
         """Say why a slot that did not finish the run ended."""
@@ -206,33 +207,35 @@ class Controller:
         return final, errors
 
     async def _shutdown(self) -> None:
-        """Stop everything the run started; bounded by timeouts.stop_s per stage."""
-        ctx, stop_s = self.ctx, self.ctx.cfg.timeouts.stop_s
+        """Stop everything the run started, within about timeouts.stop_s in all."""
+        ctx = self.ctx
         ctx.finishing = True
+        deadline = time.monotonic() + ctx.cfg.timeouts.stop_s
         for task in list(ctx.background):
             task.cancel()
-        await _bounded(
-            asyncio.gather(*(s.gens.close_standby() for s in self.slots), *ctx.background, return_exceptions=True),
-            stop_s,
-        )
-        await _bounded(asyncio.gather(*(g.close(stop_s) for g in list(ctx.groups.values())), return_exceptions=True), stop_s)
-        await _bounded(asyncio.gather(*(s.release() for s in self.slots), return_exceptions=True), stop_s)
+        stop_s = ctx.cfg.timeouts.stop_s
+        await self._within(deadline, "standbys", asyncio.gather(
+            *(s.gens.close_standby() for s in self.slots), *ctx.background, return_exceptions=True))
+        await self._within(deadline, "replica groups", asyncio.gather(
+            *(g.close(stop_s) for g in list(ctx.groups.values())), return_exceptions=True))
+        await self._within(deadline, "hosts", asyncio.gather(*(s.release() for s in self.slots), return_exceptions=True))
         if ctx.router is not None:
             ctx.router.uninstall()
-        try:
-            await asyncio.wait_for(off_loop(ctx.provider.shutdown), stop_s)
+        try:  # the provider gets a few seconds even when the stages above used up the time
+            await asyncio.wait_for(off_loop(ctx.provider.shutdown), max(deadline - time.monotonic(), 5.0))
         except Exception as e:
-            ctx.record.event("provider_error", action="shutdown", error=f"{type(e).__name__}: {e}")
-            ctx.display.line(f"monarch-sky: releasing the hosts failed: {e}")
+            reason = "did not finish in time" if isinstance(e, asyncio.TimeoutError) else str(e)
+            ctx.record.event("provider_error", action="shutdown", error=reason)
+            ctx.display.line(f"monarch-sky: releasing the hosts: {reason}")
         if self.lighthouse is not None:
             self.lighthouse.shutdown()
 
-
-async def _bounded(awaitable, timeout_s: float) -> None:
-    try:
-        await asyncio.wait_for(awaitable, timeout_s + 5)
-    except asyncio.TimeoutError:
-        log.warning("shutdown stage took over %.0fs; moving on", timeout_s + 5)
+    async def _within(self, deadline: float, what: str, awaitable) -> None:
+        try:
+            await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.5))
+        except asyncio.TimeoutError:
+            self.ctx.record.event("shutdown_stage_timed_out", stage=what)
+            log.warning("stopping the %s took longer than timeouts.stop_s; moving on", what)
 
 
 async def _await(future):

@@ -15,6 +15,7 @@ agent, the watchdog).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 
@@ -46,6 +47,18 @@ class HostAgent(Actor):
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+async def start_host_agent(host_mesh, name: str, timeout_s: float):
+    """A one-process mesh on the host running a `HostAgent`; returns the agent once it answers."""
+    procs = host_mesh.spawn_procs(per_host={"gpus": 1}, name=name)
+    agent = procs.spawn("host-agent", HostAgent)
+    await asyncio.wait_for(_await(agent.exited.call_one([])), timeout_s)
+    return agent
+
+
+async def _await(future):
+    return await future
 
 
 class HostWatchdog:

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
+from monarch_sky.detection import start_host_agent
 from monarch_sky.generations import Generations, attach_host
 from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import GroupFailed, ReplicaGroup
@@ -172,7 +173,7 @@ class Slot:
         self.gens.refill_standby()
 
     def _kill_host(self) -> None:
-        self.ctx.in_background(self._report(self.ctx.provider.kill, self.host, what="killing host"))
+        self.ctx.in_background(self.ctx.provider_call(self.ctx.provider.kill, self.host, what=f"killing host {self.host.name}"))
 
     # ---- failures ------------------------------------------------------------------
 
@@ -249,7 +250,7 @@ class Slot:
         """A host declared dead may only be cut off (a partition): make sure its processes
         stop where the provider can reach them. Its replacement gets new TorchFT replica ids
         (each manager adds a fresh uuid), so old processes can never pose as the new group."""
-        await self._report(self.ctx.provider.kill, host, what="fencing the lost host")
+        await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing lost host {host.name}")
 
     async def _replace_host(self) -> None:
         """Move the slot to a new host; raises HostError (a restart of this slot) if none comes."""
@@ -282,13 +283,9 @@ class Slot:
     # ---- host agent, end of run ----------------------------------------------------
 
     async def start_agent(self) -> None:
-        from monarch_sky.detection import HostAgent
-
         mesh = self.gens.host_mesh
-        procs = mesh.spawn_procs(per_host={"gpus": 1}, name=f"agent{self.index}x{self.gens.spawned}")
-        agent = procs.spawn("host-agent", HostAgent)
-        await asyncio.wait_for(_await(agent.exited.call_one([])), self.ctx.cfg.timeouts.spawn_s)
-        if self.gens.host_mesh is mesh:
+        agent = await start_host_agent(mesh, f"agent{self.index}x{self.gens.spawned}", self.ctx.cfg.timeouts.spawn_s)
+        if self.gens.host_mesh is mesh:  # still this slot's host
             self.agent = agent
 
     async def final_state(self) -> dict[str, Any]:
@@ -298,15 +295,6 @@ class Slot:
         """Tell a live host's worker the run is over (bootstrapped nodes then exit)."""
         if await off_loop(self.ctx.provider.alive, self.host):
             await asyncio.wait_for(_await(self.gens.host_mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
-
-    async def _report(self, fn, *args, what: str) -> None:
-        """A provider call whose failure is recorded and shown, never swallowed."""
-        try:
-            await asyncio.wait_for(off_loop(fn, *args), self.ctx.cfg.timeouts.stop_s)
-        except Exception as e:
-            self.ctx.record.event("provider_error", replica=self.index, action=what, error=_describe(e))
-            self.ctx.display.line(f"[replica {self.index}] {what} failed: {_describe(e)}")
-
 
 async def _await(future):
     return await future

@@ -40,6 +40,7 @@ def build_summary(
         "lost_replicas": ctx.lost,
         "restarts": {str(s.index): s.restarts for s in slots},
         "previous_controller": previous_controller,
+        "tracking_error": ctx.tracker.error,
     }
     summary["outcome"] = judge(summary)
     return summary

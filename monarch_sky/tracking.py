@@ -94,6 +94,7 @@ class Tracker:
         self.mode = wandb_mode(settings.mode)
         self.run = None
         self.location = None
+        self.error: str | None = None  # why W&B stopped, if it did (shown in the summary)
         self._pending: dict[str, Any] = {}
         if self.mode == "disabled":
             return
@@ -113,14 +114,22 @@ class Tracker:
             )
             self.location = self.run.url if self.mode == "online" else self.run.dir
         except Exception as e:  # tracking must never stop training
-            log.warning("W&B disabled for this run: %s", _scrub(str(e)))
-            self.run = None
+            self._fail("init", e)
+
+    def _fail(self, call: str, e: Exception) -> None:
+        """Report a W&B failure once and stop calling it: tracking must never stop training."""
+        self.error = f"wandb {call} failed: {_scrub(str(e))[:300]}"
+        log.warning("%s; W&B is off for the rest of this run", self.error)
+        self.run = None
 
     def log(self, metrics: dict[str, Any], step: int) -> None:
         """Per-step metrics; W&B needs steps in increasing order."""
         if self.run is not None:
             metrics, self._pending = {**self._pending, **metrics}, {}
-            self.run.log(metrics, step=step)
+            try:
+                self.run.log(metrics, step=step)
+            except Exception as e:
+                self._fail("log", e)
 
     def note(self, metrics: dict[str, Any]) -> None:
         """Event metrics (fault timings), sent with the next step's metrics."""
@@ -129,14 +138,18 @@ class Tracker:
     def finish(self, summary: dict[str, Any]) -> None:
         if self.run is None:
             return
-        if self._pending:
-            self.run.log(self._pending)
-        for key in ("committed_steps", "wall_s", "checkpoints_written"):
-            self.run.summary[key] = summary.get(key)
-        self.run.finish()
-        import wandb
+        try:
+            if self._pending:
+                self.run.log(self._pending)
+            for key in ("committed_steps", "wall_s", "checkpoints_written"):
+                self.run.summary[key] = summary.get(key)
+            self.run.summary["outcome"] = summary["outcome"]["status"]
+            self.run.finish()
+            import wandb
 
-        wandb.teardown()
+            wandb.teardown()
+        except Exception as e:
+            self._fail("finish", e)
 
 
 def _scrub(text: str) -> str:

@@ -33,7 +33,7 @@ def task_facts(task) -> dict:
 
 def replacement_facts(recipe_path: str) -> dict:
     """The one-node task monarch-sky's SkyPilot host provider would launch for a lost node."""
-    from monarch_sky.hosts import load_recipe, replacement_task
+    from monarch_sky.sky_hosts import load_recipe, replacement_task
 
     config = replacement_task(load_recipe(recipe_path), cluster="monarch-run-r0", port=26600)
     return task_facts(sky.Task.from_yaml_config(config))
