@@ -237,7 +237,8 @@ def _validate(config: DictConfig) -> None:
             raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
     if config.training.warmup_steps > config.steps:
         raise ConfigError(
-            f"training.warmup_steps: {config.training.warmup_steps} is more than steps={config.steps}"
+            f"training.warmup_steps: {config.training.warmup_steps} is more than steps={config.steps}; "
+            f"set training.warmup_steps to at most {config.steps}"
         )
     if config.run_id is not None and not RUN_ID.fullmatch(config.run_id):
         raise ConfigError(

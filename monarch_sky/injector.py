@@ -88,10 +88,11 @@ class FaultInjector:
     def survivor_committed(self, r: StepResult, issued: float, replicas: int, now: float) -> None:
         """A group committed a cross-group step it issued at `issued`: resumes other replicas' faults."""
         for rec in self.records:
-            if rec.fault.replica == r.replica or issued < rec.injected_at or rec.rejoined_at:
+            if rec.fault.replica == r.replica or issued < rec.injected_at:
                 continue
-            if r.participants < replicas:
+            if rec.rejoined_at is None and r.participants < replicas:
                 rec.steps_while_down.add(r.step)
+            # The rejoiner's result for the same step may have been handled first.
             if rec.resumed_at is None:
                 rec.resumed_at = now
                 self.record.event("survivors_resumed", replica=rec.fault.replica, seconds=rec.seconds(now))

@@ -76,7 +76,7 @@ def test_new_controller_reaps_a_dead_controllers_processes(tmp_path):
 
 
 def test_a_finished_run_id_is_not_reused(tmp_path):
-    run = train(tmp_path, "replicas=1", "steps=2", "faults=none", "ft.standby=false")
+    run = train(tmp_path, "replicas=1", "steps=2", "training.warmup_steps=1", "faults=none", "ft.standby=false")
     assert run.returncode == 0, run.output[-3000:]
     again = subprocess.run(
         train_command(tmp_path, run.path.name), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120,
