@@ -17,7 +17,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from monarch_sky.faults import Fault, FaultSpecError, check_faults, parse_faults
+from monarch_sky.faults import KINDS, Fault, FaultSpecError, check_faults, parse_faults
 from monarch_sky.recipes import RECIPES
 
 ASSETS = Path(__file__).resolve().parent / "assets"
@@ -64,6 +64,7 @@ class TimeoutSettings:
     spawn_s: float = 300.0  # procs up + trainer built (imports dominate on CPU)
     step_s: float = 180.0  # one training step, quorum and healing included
     stop_s: float = 30.0  # stopping a process mesh
+    hang_s: float = 2.0  # a trainer silent this long during a long step is hung
 
 
 @dataclass
@@ -79,6 +80,13 @@ class HostSettings:
     max_replacements: int = 3  # local: replacement hosts available to the run
     # a host is declared dead after its worker refused connections for this long (consecutive probes)
     dead_after_s: float = 2.0
+
+
+@dataclass
+class ChaosSettings:
+    every_s: float = 0.0  # mean seconds between random faults (exponential gaps); 0: off
+    kinds: list[str] = field(default_factory=lambda: ["kill", "segfault", "comms", "hang", "stop", "host"])
+    seed: int = 0
 
 
 @dataclass
@@ -103,6 +111,7 @@ class JobConfig:
     ft: FTSettings = field(default_factory=FTSettings)
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
     hosts: HostSettings = field(default_factory=HostSettings)
+    chaos: ChaosSettings = field(default_factory=ChaosSettings)
     wandb: WandbSettings = field(default_factory=WandbSettings)
 
 
@@ -142,6 +151,7 @@ MORE_THAN_ZERO = (  # a zero timeout or tick fails every wait, or never ends one
     "timeouts.spawn_s",
     "timeouts.step_s",
     "timeouts.stop_s",
+    "timeouts.hang_s",
     "hosts.provision_timeout_s",
     "hosts.dead_after_s",
 )
@@ -151,6 +161,8 @@ AT_LEAST_ZERO = (
     "ft.max_restarts",
     "hosts.provision_delay_s",
     "hosts.max_replacements",
+    "chaos.every_s",
+    "chaos.seed",
 )
 BOUNDS = (
     (AT_LEAST_ONE, ">= 1", lambda v: v >= 1),
@@ -292,4 +304,16 @@ def check_fault_support(config: DictConfig, faults: list[Fault]) -> None:
     if any(f.kind == "host" for f in faults) and config.hosts.provider != "local":
         raise ConfigError(
             f"faults: host faults can only be injected with hosts.provider=local, not {config.hosts.provider}"
+        )
+    chaos = config.chaos
+    unknown = [k for k in chaos.kinds if k not in KINDS]
+    if unknown:
+        raise ConfigError(f"chaos.kinds: unknown kind {unknown[0]}; allowed: {', '.join(KINDS)}")
+    if chaos.every_s > 0 and not chaos.kinds:
+        raise ConfigError("chaos.kinds: empty; name at least one kind, or set chaos.every_s=0")
+    if chaos.every_s > 0 and config.replicas < 2:
+        raise ConfigError(f"chaos.every_s: replicas={config.replicas} leaves nobody to heal from; use replicas>=2")
+    if chaos.every_s > 0 and "host" in chaos.kinds and config.hosts.provider != "local":
+        raise ConfigError(
+            f"chaos.kinds: host faults need hosts.provider=local, not {config.hosts.provider}; drop host from chaos.kinds"
         )

@@ -35,6 +35,7 @@ class RunContext:
     slots: list[Any] = field(default_factory=list)  # one Slot per replica group
     lost: list[dict[str, Any]] = field(default_factory=list)
     unplanned: list[dict[str, Any]] = field(default_factory=list)
+    progress_lost: list[dict[str, Any]] = field(default_factory=list)  # every state holder failed at once
     background: set[asyncio.Task] = field(default_factory=set)
     finishing: bool = False  # some group reached the target: no more respawns
     start_time: float = field(default_factory=time.monotonic)

@@ -31,6 +31,7 @@ from monarch_sky.tracking import RunRecord, Tracker
 log = logging.getLogger(__name__)
 
 DETECT_EVERY_S = 0.5
+HANG_FACTOR = 5  # a step this many times the recent median is suspected of hanging
 
 
 class Controller:
@@ -50,6 +51,7 @@ class Controller:
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
         self.watchdog = HostWatchdog(cfg.hosts.dead_after_s)
+        self._pinging: set = set()  # groups whose hang check is running
         self.previous_controller = previous_controller
 
     async def run(self) -> dict[str, Any]:
@@ -69,6 +71,8 @@ class Controller:
             ctx.phase(f"training {ctx.cfg.steps} steps")
             ctx.record.event("training_started", replicas=len(self.slots))
             ctx.in_background(self._detect())
+            if ctx.cfg.chaos.every_s > 0:
+                ctx.in_background(ctx.injector.chaos(ctx.cfg.chaos, ctx.cfg.steps, self._training, lambda: ctx.ledger.run_step))
             await self._drive_all()
             ctx.ledger.flush(final=True)
             final, errors = await self._final_states()
@@ -81,6 +85,9 @@ class Controller:
         summary = build_summary(self.ctx, self.slots, {}, {}, self.previous_controller)
         summary["outcome"] = outcome
         return summary
+
+    def _training(self) -> list[Slot]:
+        return [s for s in self.slots if s.state is SlotState.TRAINING and s.group is not None]
 
     def _counts(self) -> StatusCounts:
         injector = self.ctx.injector
@@ -184,6 +191,8 @@ class Controller:
             self.watchdog.forget(host.address)
             slot.on_failure(group, f"host {host.name} ({host.address}) is unreachable", time.monotonic())
             return
+        if reachable and self._suspect_hang(slot):
+            self.ctx.in_background(self._check_hang(slot, group))
         if reachable and slot.agent is not None and group.pids:
             try:
                 exited = await asyncio.wait_for(_await(slot.agent.exited.call_one(group.pids)), 2 * DETECT_EVERY_S)
@@ -191,6 +200,23 @@ class Controller:
                 return
             if exited and slot.group is group:
                 slot.on_failure(group, f"process {exited[0]} exited (seen by its host)", time.monotonic())
+
+    def _suspect_hang(self, slot: Slot) -> bool:
+        """A step out for several times the recent median (and at least timeouts.hang_s)."""
+        since, hang_s = slot.in_flight_since, self.ctx.cfg.timeouts.hang_s
+        if since is None or slot.group in self._pinging:
+            return False
+        return time.monotonic() - since > max(HANG_FACTOR * self.ctx.ledger.median_step_s(), hang_s)
+
+    async def _check_hang(self, slot: Slot, group) -> None:
+        """Confirm a suspected hang: a live trainer answers a ping even mid-step."""
+        self._pinging.add(group)
+        try:
+            hang_s = self.ctx.cfg.timeouts.hang_s
+            if not await group.answers(hang_s) and slot.group is group and slot.in_flight_since is not None:
+                slot.on_failure(group, f"hung: a trainer answered nothing for {hang_s:g}s during a step", time.monotonic())
+        finally:
+            self._pinging.discard(group)
 
     # ---- end of run ------------------------------------------------------------------
 

@@ -20,9 +20,12 @@ from monarch.actor import Actor, endpoint
 KINDS = {
     "kill": "SIGKILL of one trainer process of the replica",
     "segfault": "segmentation fault in one trainer process of the replica",
+    "comms": "abort of one trainer's cross-group process group mid-step (the process lives)",
+    "hang": "one trainer holds the GIL in a native sleep, as a deadlock does (sockets stay open)",
+    "stop": "one trainer process is frozen (SIGSTOP), like a GPU hang or a swapped-out host",
     "host": "loss of the replica's whole host (its worker loop and every process on it)",
 }
-PROCESS_KINDS = ("kill", "segfault")  # injected by the FaultActor inside the group
+PROCESS_KINDS = ("kill", "segfault", "comms", "hang", "stop")  # injected by the FaultActor inside the group
 
 
 class FaultSpecError(ValueError):
@@ -104,4 +107,22 @@ def _segfault() -> None:
     ctypes.string_at(0)
 
 
-_FAULTS = {"kill": _kill, "segfault": _segfault}
+def _comms() -> None:
+    """Abort the trainer's TorchFT process group: its cross-group collectives fail."""
+    from monarch_sky import trainer
+
+    if trainer.ACTIVE is not None:
+        trainer.ACTIVE.manager._pg.abort()  # torchft's ManagedProcessGroup has no public abort
+
+
+def _hang() -> None:
+    # A foreign call through PyDLL keeps the GIL: every Python thread of the process stops,
+    # while TorchFT's native heartbeat threads and the sockets stay alive.
+    ctypes.PyDLL(None).sleep(24 * 3600)
+
+
+def _stop() -> None:
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+_FAULTS = {"kill": _kill, "segfault": _segfault, "comms": _comms, "hang": _hang, "stop": _stop}

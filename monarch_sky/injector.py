@@ -23,10 +23,11 @@ class FaultRecord:
     fault: Fault
     rank: int | None  # None: the whole host
     injected_at: float  # time.monotonic()
+    generation: int  # the generation of the group it hit
     detected_at: float | None = None
     resumed_at: float | None = None  # a survivor committed a step begun after injection
     rejoined_at: float | None = None  # the respawned group committed a step with the others
-    recovered_from: str | None = None  # "peer": weights came live from another group
+    recovered_from: str | None = None  # "peer": weights from another group; "in place": no respawn
     steps_while_down: set[int] = field(default_factory=set)  # committed without the group
 
     def seconds(self, at: float | None) -> float | None:
@@ -60,18 +61,39 @@ class FaultInjector:
         """Inject every fault due for `replica` by `run_step` into its training `group`."""
         for fault in [f for f in self.pending if f.replica == replica and run_step >= f.step]:
             self.pending.remove(fault)
-            delay = 0.5 * step_seconds  # land inside the step, as real failures do
-            if fault.kind in PROCESS_KINDS:
-                rank = self.rng.randrange(self.procs)
-                group.inject(fault.kind, rank, delay)
-                target = f"replica {replica} rank {rank}"
-            else:
-                rank = None
-                asyncio.get_running_loop().call_later(delay, kill_host)
-                target = f"replica {replica}'s host {group.host.name}"
-            self.records.append(FaultRecord(fault, rank, injected_at=time.monotonic() + delay))
-            self.record.event("fault_injected", kind=fault.kind, replica=replica, rank=rank, step=run_step)
-            self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}")
+            # Land inside the step, as real failures do.
+            self.inject(fault, group, kill_host, delay_s=0.5 * step_seconds, run_step=run_step)
+
+    def inject(self, fault: Fault, group, kill_host: Callable[[], None], delay_s: float, run_step: int) -> None:
+        if fault.kind in PROCESS_KINDS:
+            rank = self.rng.randrange(self.procs)
+            group.inject(fault.kind, rank, delay_s)
+            target = f"replica {fault.replica} rank {rank}"
+        else:
+            rank = None
+            asyncio.get_running_loop().call_later(delay_s, kill_host)
+            target = f"replica {fault.replica}'s host {group.host.name}"
+        self.records.append(FaultRecord(fault, rank, time.monotonic() + delay_s, group.generation))
+        self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step)
+        self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}")
+
+    async def chaos(self, settings, steps: int, training: Callable[[], list], run_step: Callable[[], int]) -> None:
+        """Random faults at exponential gaps (mean `chaos.every_s`), reproducible from
+        `chaos.seed`. A fault goes only where another group keeps training to heal from,
+        and the last tenth of the run gets none, so every fault has time to heal. (A real
+        cluster makes no such promise: every group failing at once loses the state.)"""
+        rng = random.Random(settings.seed)
+        while True:
+            await asyncio.sleep(rng.expovariate(1.0 / settings.every_s))
+            kind = rng.choice(list(settings.kinds))
+            # A group whose fault is not healed yet may not know it has failed: not eligible.
+            slots = [slot for slot in training() if not self.open_faults(slot.index)]
+            if len(slots) < 2 or run_step() >= 0.9 * steps:
+                self.record.event("chaos_skipped", kind=kind, step=run_step(), training=len(slots))
+                continue
+            slot = rng.choice(slots)
+            fault = Fault(kind, max(run_step(), 1), slot.index)
+            self.inject(fault, slot.group, slot.kill_host, delay_s=0.0, run_step=run_step())
 
     def open_faults(self, replica: int) -> list[FaultRecord]:
         """Faults of `replica` whose group has not rejoined yet."""
@@ -103,6 +125,22 @@ class FaultInjector:
             rec.rejoined_at, rec.recovered_from = now, source
             self.tracker.note({"fault/rejoined_s": rec.seconds(now)})
         return faults
+
+    def same_generation_result(self, r: StepResult, generation: int, issued: float, now: float) -> list[FaultRecord]:
+        """The group a fault hit answered without a respawn (a comms fault TorchFT
+        reconfigures around): its first failed step after the fault is the detection, its
+        next cross-group commit (a step begun after the fault) the recovery. A fault that
+        failed no step stays open. Returns the faults it recovered from."""
+        recovered = []
+        for rec in self.open_faults(r.replica):
+            if rec.generation != generation or now < rec.injected_at:
+                continue
+            if not r.committed and rec.detected_at is None:
+                rec.detected_at = now
+            elif r.synced and rec.detected_at is not None and issued >= rec.injected_at:
+                rec.rejoined_at, rec.recovered_from = now, "in place"
+                recovered.append(rec)
+        return recovered
 
     def recovered(self) -> int:
         return sum(r.rejoined_at is not None for r in self.records)

@@ -8,7 +8,9 @@ is logged (W&B, the live status line, progress events) once the run has moved pa
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,11 +49,13 @@ class StepLedger:
         self.logged_step = 0
         self.start_time = time.monotonic()
         self.step_seconds = 1.0  # moving average, used to land faults mid-step
+        self._recent = deque(maxlen=50)  # seconds of recent committed steps
 
     def add(self, r: StepResult, now: float) -> None:
         self.step_seconds = 0.8 * self.step_seconds + 0.2 * r.seconds
         if not r.committed:
             return
+        self._recent.append(r.seconds)
         stats = self.steps.setdefault(r.step, StepStats(first_seen=now))
         if r.loss is not None:
             stats.losses.append(r.loss)
@@ -83,6 +87,9 @@ class StepLedger:
             self.record.event("progress", step=step, loss=loss)
         c = self.counts()
         self.display.status(step, loss, tps, stats.quorum, c.replicas, c.training, c.faults, c.recovered)
+
+    def median_step_s(self) -> float:
+        return statistics.median(self._recent) if self._recent else self.step_seconds
 
     def first_and_last_loss(self) -> dict[str, float | None]:
         with_loss = [s for s in sorted(self.steps) if self.steps[s].losses]

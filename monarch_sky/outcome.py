@@ -9,7 +9,8 @@ with the same parameter digest. Anything less says what went wrong:
 | 1    | incomplete | the target was not reached |
 | 1    | failed     | the controller failed (the reason is in the summary) |
 | 2    | -          | config error (nothing was started) |
-| 3    | degraded   | target reached, but a group was lost or its final state could not be read |
+| 3    | degraded   | target reached, but a group was lost, its final state could not be read, or
+|      |            | every group holding the training state failed at once (training restarted) |
 | 4    | diverged   | target reached, but the groups' final digests differ |
 | 128+N| stopped    | stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP) |
 """
@@ -33,6 +34,10 @@ def judge(summary: dict[str, Any]) -> dict[str, Any]:
     if len(set(digests.values())) > 1:
         return _outcome(EXIT_DIVERGED, "diverged", [f"final digests differ: {_short(digests)}"])
     reasons = [f"replica {lost['replica']} was lost: {lost['reason']}" for lost in summary["lost_replicas"]]
+    reasons += [
+        f"training state lost at step {p['at_step']} (every group holding it failed); restarted at step {p['restarted_at_step']}"
+        for p in summary.get("progress_lost", [])
+    ]
     reasons += [
         f"replica {replica}: final state unreadable: {reason}"
         for replica, reason in summary["final_state_errors"].items()

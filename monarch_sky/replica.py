@@ -41,15 +41,18 @@ class ReplicaActor(Actor):
         return time.perf_counter() - start
 
     @endpoint
-    def setup(self, rejoining: bool) -> dict:
+    def setup(self, rejoining: bool, data_states: tuple) -> dict:
         """Build the trainer (after `warm`); TorchFT joins the lighthouse on the first step.
 
         `rejoining`: the group joins a job already training, so it must heal from a peer.
+        `data_states`: per rank, where the previous generation's kept training left its data.
         """
         start = time.perf_counter()
         from monarch_sky.trainer import GroupTrainer
 
-        self.trainer = GroupTrainer(self.spec, rejoining)
+        rank = int(os.environ["RANK"])  # set by the group's SPMD setup
+        data_state = data_states[rank] if data_states else None
+        self.trainer = GroupTrainer(self.spec, rejoining, data_state)
         platform_mod.yield_cpu_to_recovery(self.spec.platform_kind)
         return {"pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start}
 
@@ -141,7 +144,7 @@ class ReplicaGroup:
         imports = await self._call(self.actors.warm.call(), timeout_s)
         self.timings["import_s"] = round(max(imports.values()), 3)
 
-    async def setup(self, rejoining: bool, timeout_s: float) -> dict:
+    async def setup(self, rejoining: bool, data_states: tuple, timeout_s: float) -> dict:
         """Build the trainer on every rank; the group joins TorchFT on its first step."""
         from monarch.spmd import SPMDActor
 
@@ -150,7 +153,7 @@ class ReplicaGroup:
         # address must be the host's reachable IP; the port is picked on the host itself.
         _, port = await self._call(spmd.slice(gpus=0).get_host_port.call_one(None), timeout_s)
         await self._call(spmd.setup_env.call(self.host.ip, port), timeout_s)
-        info = (await self._call(self.actors.setup.call(rejoining), timeout_s)).get(0)
+        info = (await self._call(self.actors.setup.call(rejoining, data_states), timeout_s)).get(0)
         self.timings["build_s"] = round(info["build_s"], 3)
         return info
 
@@ -163,6 +166,15 @@ class ReplicaGroup:
 
     async def final_state(self, timeout_s: float) -> dict:
         return (await self._call(self.actors.final_state.call(), timeout_s)).get(0)
+
+    async def answers(self, timeout_s: float) -> bool:
+        """Whether every rank's process still runs Python: a hung one (GIL held, frozen)
+        cannot answer, while a healthy one answers even in the middle of a long step."""
+        try:
+            await asyncio.wait_for(_await(self.fault_actors.pid.call()), timeout_s)
+            return True
+        except Exception:
+            return False
 
     def inject(self, kind: str, rank: int, delay_s: float) -> None:
         self.fault_actors.slice(gpus=rank).inject.broadcast(kind, delay_s)

@@ -46,6 +46,8 @@ class Slot:
         self.restarts = 0
         self.step = 0
         self.uncommitted = 0  # steps this slot's groups ran that TorchFT did not commit
+        self.data_states: tuple = ()  # per rank: where the group's kept training left its data
+        self.in_flight_since: float | None = None  # when the step call now running was issued
 
     @property
     def host(self) -> Host:
@@ -63,7 +65,8 @@ class Slot:
             began, group = time.monotonic(), None
             try:
                 group, warm = await self.gens.take()
-                info = await group.setup(rejoining, self.ctx.cfg.timeouts.spawn_s)
+                data = self.data_states if rejoining else ()
+                info = await group.setup(rejoining, data, self.ctx.cfg.timeouts.spawn_s)
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 if group is not None:
                     await self.gens.discard(group)
@@ -124,8 +127,16 @@ class Slot:
         issued = time.monotonic()
         call = asyncio.ensure_future(group.step(ctx.cfg.timeouts.step_s))
         await asyncio.sleep(0)  # let the step go out before a fault aims at it
-        ctx.injector.fire_due(self.index, ctx.ledger.run_step, group, self._kill_host, ctx.ledger.step_seconds)
-        self.on_result(await call, issued)
+        ctx.injector.fire_due(self.index, ctx.ledger.run_step, group, self.kill_host, ctx.ledger.step_seconds)
+        self.on_result(await self._timed(call, issued), issued)
+
+    async def _timed(self, call, issued: float):
+        """Await a step call, letting the hang check see how long it has been out."""
+        self.in_flight_since = issued
+        try:
+            return await call
+        finally:
+            self.in_flight_since = None
 
     async def _join_next_sync(self) -> None:
         """DiLoCo: a new generation heals only at a sync, so it waits until another group's
@@ -144,15 +155,19 @@ class Slot:
             return
         issued = time.monotonic()
         ctx.record.event("rejoin_joined_sync", replica=self.index, waited_s=round(issued - began, 3))
-        self.on_result(await self.group.join(ctx.cfg.timeouts.step_s), issued)
+        self.on_result(await self._timed(self.group.join(ctx.cfg.timeouts.step_s), issued), issued)
 
     def on_result(self, r: StepResult, issued: float) -> None:
         ctx, now = self.ctx, time.monotonic()
         self.step = r.step
         self.uncommitted += not r.committed
+        self.data_states = r.data_states or self.data_states
         ctx.ledger.add(r, now)
         if self.state is SlotState.REJOINING and not r.committed:
             ctx.record.event("rejoin_step_not_committed", replica=self.index, step=r.step, healed=r.healed)
+        for rec in ctx.injector.same_generation_result(r, self.group.generation, issued, now):
+            ctx.display.line(f"[replica {self.index}] recovered in place from the {rec.fault.kind}, "
+                             f"{rec.seconds(now):.2f}s after it (TorchFT reconfigured, no respawn)")
         if r.synced:
             if self.state is SlotState.REJOINING:
                 self._rejoined(r, now)
@@ -163,7 +178,7 @@ class Slot:
 
     def _rejoined(self, r: StepResult, now: float) -> None:
         self.state = SlotState.TRAINING
-        source = "peer" if r.healed else "scratch"
+        source = "peer" if r.healed and not self._progress_lost(r) else "scratch"
         faults = self.ctx.injector.rejoined(self.index, source, now)
         self.ctx.record.event(
             "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source
@@ -172,7 +187,22 @@ class Slot:
         self.ctx.display.line(f"[replica {self.index}] rejoined at step {r.step}{after} (weights from {source})")
         self.gens.refill_standby()
 
-    def _kill_host(self) -> None:
+    def _progress_lost(self, r: StepResult) -> bool:
+        """Every group that held the run's state failed before this one healed: it healed from
+        a group as fresh as itself, and the run starts over. Say so; never call it a recovery."""
+        ctx = self.ctx
+        slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
+        if r.step >= ctx.ledger.run_step - slack:
+            return False
+        lost = {"replica": self.index, "at_step": ctx.ledger.run_step, "restarted_at_step": r.step}
+        if not any(p["at_step"] == lost["at_step"] for p in ctx.progress_lost):
+            ctx.progress_lost.append(lost)
+            ctx.record.event("progress_lost", **lost)
+            ctx.display.line(f"[run] every group holding the state failed: training restarts at step {r.step} "
+                             f"(was {ctx.ledger.run_step}); there is no checkpoint")
+        return True
+
+    def kill_host(self) -> None:
         self.ctx.in_background(self.ctx.provider_call(self.ctx.provider.kill, self.host, what=f"killing host {self.host.name}"))
 
     # ---- failures ------------------------------------------------------------------

@@ -23,6 +23,9 @@ class StepResult:
     healed: bool  # this generation has loaded state live from a peer (in this or an earlier step)
     healed_now: bool  # ... in this step
     seconds: float
+    # Per rank (rank order): the dataloader state at the last point whose training stands;
+    # the group's next generation continues its data exactly there.
+    data_states: tuple = ()
 
 
 def combine(per_rank: list[StepResult]) -> StepResult:
@@ -39,4 +42,5 @@ def combine(per_rank: list[StepResult]) -> StepResult:
         healed=any(r.healed for r in per_rank),
         healed_now=healed_now,
         seconds=max(r.seconds for r in per_rank),
+        data_states=tuple(state for r in per_rank for state in r.data_states),
     )

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 from monarch_sky.context import RunContext
 from monarch_sky.outcome import judge
-from monarch_sky.trainer import checkpoint_files
 
 
 def build_summary(
@@ -38,9 +38,16 @@ def build_summary(
         "faults": [r.to_summary() for r in ctx.injector.records],
         "unplanned_failures": ctx.unplanned,
         "lost_replicas": ctx.lost,
+        "progress_lost": ctx.progress_lost,
         "restarts": {str(s.index): s.restarts for s in slots},
         "previous_controller": previous_controller,
         "tracking_error": ctx.tracker.error,
     }
     summary["outcome"] = judge(summary)
     return summary
+
+
+def checkpoint_files(dump_folder: str) -> list[str]:
+    """Files any torchtitan checkpointer wrote under this replica's dump folder."""
+    root = os.path.join(dump_folder, "checkpoint")
+    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]

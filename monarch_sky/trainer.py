@@ -15,15 +15,18 @@ needs on top of torchtitan 0.3.0:
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import os
 import time
 
 import torch
 
 from monarch_sky import platform as platform_mod
+from monarch_sky import test_hooks
+from monarch_sky.data_position import DataPosition
+from monarch_sky.digest import param_digest
 from monarch_sky.recipes import RECIPES, TrainerSpec
 from monarch_sky.step_result import StepResult
+
+ACTIVE: "GroupTrainer | None" = None  # this process's trainer, for fault injection (comms)
 
 
 def import_torchtitan():
@@ -36,15 +39,11 @@ def import_torchtitan():
     return plat
 
 
-REFUSE_REJOIN_COMMIT_ENV = "MONARCH_SKY_TEST_REFUSE_REJOIN_COMMIT"
 REJOIN_KEY = "monarch_sky_rejoin"
-# Test hook: the replica named here gets different weights after its first commit (a
-# negative control for the digest check; before it, TorchFT's first quorum syncs them).
-PERTURB_REPLICA_ENV = "MONARCH_SKY_TEST_PERTURB_REPLICA"
 
 
 class GroupTrainer:
-    def __init__(self, spec: TrainerSpec, rejoining: bool = False):
+    def __init__(self, spec: TrainerSpec, rejoining: bool = False, data_state: dict | None = None):
         self.spec = spec
         plat = import_torchtitan()
         self._healed = False  # some step of this generation loaded state from a peer
@@ -53,11 +52,12 @@ class GroupTrainer:
         self._rejoining = rejoining
         self._joined = not rejoining
         self._decision: bool | None = None  # what TorchFT's should_commit said this step
-        # Test hook: refuse this rejoining generation's first commit, as a failed step would.
-        self._refuse_a_commit = rejoining and os.environ.get(REFUSE_REJOIN_COMMIT_ENV) == "1"
-        self._build(RECIPES[spec.recipe].build_trainer(spec), plat)
+        self._refuse_a_commit = rejoining and test_hooks.refuse_rejoin_commit()
+        self._build(RECIPES[spec.recipe].build_trainer(spec), plat, data_state)
+        global ACTIVE
+        ACTIVE = self
 
-    def _build(self, config, plat) -> None:
+    def _build(self, config, plat, data_state: dict | None) -> None:
         from torchtitan.experiments.torchft.manager import maybe_semi_sync_training
         from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
 
@@ -88,9 +88,11 @@ class GroupTrainer:
             self.manager.register_state_dict_fn(REJOIN_KEY, self._contribute_nothing, dict)
             self._fragments = semi_sync._fragments  # torchft has no public accessor
         self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
-        self._data = trainer.batch_generator(trainer.dataloader)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        name = f"replica{self.spec.replica}-rank{rank}"
+        self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)
         self._params = [p for m in trainer.model_parts for p in m.parameters()]
-        self._perturb = os.environ.get(PERTURB_REPLICA_ENV) == str(self.spec.replica)
+        self._perturb = test_hooks.perturb_replica(self.spec.replica)
         loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")
         self._loss_group = loss_mesh.get_group() if loss_mesh is not None else None
 
@@ -139,7 +141,7 @@ class GroupTrainer:
         if self._refuse_a_commit:
             self._refuse_a_commit = False
             manager.report_error(RuntimeError("test hook: first commit after rejoining refused"))
-        batches = [next(self._data) for _ in range(trainer.gradient_accumulation_steps)]
+        batches = self._data.draw(trainer.gradient_accumulation_steps)
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         valid_tokens = torch.tensor(local_tokens, dtype=torch.int64, device=trainer.device)
         if trainer.parallel_dims.dp_enabled:
@@ -165,6 +167,7 @@ class GroupTrainer:
             with torch.no_grad():
                 self._params[0].add_(1e-3)
         healed_now, self._healed_now = self._healed_now, False
+        self._settle_data(committed and not healed_now)
         return StepResult(
             replica=self.spec.replica,
             step=self.progress(),
@@ -176,7 +179,19 @@ class GroupTrainer:
             healed=self._healed,
             healed_now=healed_now,
             seconds=time.perf_counter() - start,
+            data_states=(self._data.kept,),
         )
+
+    def _settle_data(self, trained: bool) -> None:
+        """Keep the batches drawn since the last kept position, or read them again.
+
+        Per-step mode decides every step; DiLoCo at each sync (a failed one rolls the inner
+        steps' training back). A healing step's gradient was zeroed: nothing trained.
+        """
+        if not self._diloco:
+            self._data.keep() if trained else self._data.rewind()
+        elif self._decision is not None:
+            self._data.keep() if self._decision else self._data.rewind()
 
     def join(self) -> StepResult:
         """DiLoCo: take part in the next sync without training first.
@@ -208,6 +223,7 @@ class GroupTrainer:
             healed=self._healed,
             healed_now=healed_now,
             seconds=time.perf_counter() - start,
+            data_states=(self._data.kept,),
         )
 
     def _account(self, decision: bool | None) -> bool:
@@ -246,24 +262,11 @@ class GroupTrainer:
     def final_state(self) -> dict:
         """What the run record keeps of each group at the end (a collective)."""
         return {
-            "digest": self.digest(),
+            "digest": param_digest(self.trainer.model_parts),
             "lr": self.trainer.optimizers.optimizers[0].param_groups[0]["lr"],
             "scheduler_steps": self.trainer.lr_schedulers.schedulers[0].last_epoch,
             "step": self.progress(),
         }
-
-    @torch.no_grad()
-    def digest(self) -> str:
-        """sha256 of the group's full parameters (a collective: call it on every rank)."""
-        from torch.distributed.tensor import DTensor
-
-        h = hashlib.sha256()
-        for model in self.trainer.model_parts:
-            for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-                full = p.full_tensor() if isinstance(p, DTensor) else p
-                h.update(name.encode())
-                h.update(full.detach().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
 
     def close(self) -> None:
         self._context.close()
@@ -280,9 +283,3 @@ def _force_sum_reduction(model_parts) -> None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
-
-
-def checkpoint_files(dump_folder: str) -> list[str]:
-    """Files any torchtitan checkpointer wrote under this replica's dump folder."""
-    root = os.path.join(dump_folder, "checkpoint")
-    return [os.path.join(d, f) for d, _, files in os.walk(root) for f in files]

@@ -60,7 +60,7 @@ def test_repeated_host_loss_heals_on_a_replacement_host(tmp_path):
         run = train(tmp_path / f"run{seed}", "replicas=2", "steps=200", f"faults=host@20:{replica}", f"seed={seed}")
         assert run.returncode == 0, run.output[-3000:]
         s = run.summary
-        assert s["unplanned_failures"] == [] and s["lost_replicas"] == [], s
+        assert s["unplanned_failures"] == [] and s["lost_replicas"] == [] and s["progress_lost"] == [], s
         [fault] = s["faults"]
         assert fault["recovered_from"] == "peer", fault
         assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 2
@@ -70,9 +70,30 @@ def test_repeated_host_loss_heals_on_a_replacement_host(tmp_path):
     print_medians("host", timings)
 
 
+@pytest.mark.chaos
+def test_a_chaos_schedule_of_every_kind_loses_nothing(tmp_path):
+    # About 10 faults of mixed kinds at random times into random groups (chaos.every_s).
+    run = train(
+        tmp_path, "replicas=3", "steps=300", "faults=none",
+        "chaos.every_s=10", "chaos.seed=1", "hosts.max_replacements=10", "ft.max_restarts=20", timeout_s=1500,
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    kinds = {f["kind"] for f in s["faults"]}
+    assert len(s["faults"]) >= 6 and len(kinds) >= 4, f"too little chaos to show anything: {s['faults']}"
+    assert s["unplanned_failures"] == [] and s["lost_replicas"] == [] and s["progress_lost"] == [], s
+    assert all(f["recovered_from"] in ("peer", "in place") for f in s["faults"]), s["faults"]
+    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 3
+    assert run.leftovers == [], run.leftovers
+    (tmp_path / "chaos-schedule-timings.json").write_text(json.dumps(s["faults"], indent=2))
+    for kind in sorted(kinds):
+        print_medians(kind, [f for f in s["faults"] if f["kind"] == kind])
+
+
 def print_medians(kind: str, rows: list[dict]) -> None:
+    keys = ("detected_s", "survivors_resumed_s", "rejoined_s")
     medians = {
-        key: round(statistics.median(t[key] for t in rows), 2)
-        for key in ("detected_s", "survivors_resumed_s", "rejoined_s")
+        key: round(statistics.median(t[key] for t in rows if t[key] is not None), 2)
+        for key in keys if any(t[key] is not None for t in rows)
     }
     print(f"\n{kind}: {len(rows)} faults, medians {medians}")

@@ -37,6 +37,12 @@ BAD = [
      ["hosts.recipe_yaml"]),
     (["hosts.provider=addresses", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[a:1,b:1,c:1]",
       "faults=host@10:1"], ["faults", "hosts.provider=local"]),
+    (["chaos.every_s=5", "chaos.kinds=[kill,meteor]"], ["chaos.kinds", "meteor", "comms"]),
+    (["chaos.every_s=-1"], ["chaos.every_s", ">= 0"]),
+    (["replicas=1", "chaos.every_s=5"], ["chaos.every_s", "nobody to heal from"]),
+    (["chaos.every_s=5", "chaos.kinds=[]"], ["chaos.kinds", "empty"]),
+    (["timeouts.hang_s=0"], ["timeouts.hang_s", "> 0"]),
+    (["faults=hang@5:1,stop@6:0,comms@7:2,teleport@8:1"], ["faults", "teleport", "hang", "stop", "comms"]),
     *[([f"{key}={value}"], [key, "> 0"]) for key, value in [
         ("timeouts.spawn_s", 0), ("timeouts.step_s", 0), ("timeouts.stop_s", -1),
         ("timeouts.step_s", "nan"), ("timeouts.step_s", "inf"),

@@ -1,0 +1,29 @@
+"""Switches that only tests set (environment variables `MONARCH_SKY_TEST_*`).
+
+Each makes a real run misbehave in one precise way, so a test can drive a path that
+would otherwise depend on luck. Users never set them.
+"""
+
+from __future__ import annotations
+
+import os
+
+REFUSE_REJOIN_COMMIT_ENV = "MONARCH_SKY_TEST_REFUSE_REJOIN_COMMIT"
+PERTURB_REPLICA_ENV = "MONARCH_SKY_TEST_PERTURB_REPLICA"
+BATCH_LOG_ENV = "MONARCH_SKY_TEST_BATCH_LOG"
+
+
+def refuse_rejoin_commit() -> bool:
+    """A rejoining generation's first commit is refused, as a failed step's would be."""
+    return os.environ.get(REFUSE_REJOIN_COMMIT_ENV) == "1"
+
+
+def perturb_replica(replica: int) -> bool:
+    """This replica's weights are changed after its first commit (a negative control for
+    the digest check; before that, TorchFT's first quorum syncs every group to one)."""
+    return os.environ.get(PERTURB_REPLICA_ENV) == str(replica)
+
+
+def batch_log_dir() -> str | None:
+    """A folder where each rank logs the batches it kept and dropped."""
+    return os.environ.get(BATCH_LOG_ENV)

@@ -1,0 +1,48 @@
+"""The fault kinds beyond a dead process: a comms abort, a hung trainer, a frozen one.
+
+A comms abort leaves the process alive: TorchFT reconfigures its process group and the
+group goes on without a respawn. A hang (GIL held in a native sleep, sockets open, TorchFT's
+native heartbeats still beating) and a frozen process (SIGSTOP) are noticed from step
+times plus a liveness ping, long before `timeouts.step_s`, and the group is respawned and
+heals from a peer.
+"""
+
+from __future__ import annotations
+
+from conftest import train
+
+
+def test_comms_hang_and_stop_all_heal_with_equal_digests(run_dir):
+    run = train(run_dir, "replicas=2", "steps=50", "faults=comms@10:1,hang@20:0,stop@32:1")
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert s["outcome"]["status"] == "ok"
+    assert s["unplanned_failures"] == [] and s["lost_replicas"] == []
+    faults = {f["kind"]: f for f in s["faults"]}
+    assert faults["comms"]["recovered_from"] == "in place", faults["comms"]
+    assert faults["comms"]["detected_s"] is not None, "the abort must have failed a step"
+    for kind in ("hang", "stop"):
+        assert faults[kind]["recovered_from"] == "peer", faults[kind]
+        assert faults[kind]["detected_s"] < s_step_timeout(run) / 10, f"{kind} noticed only near timeouts.step_s"
+    assert s["restarts"] == {"0": 1, "1": 1}, "the comms fault needs no respawn"
+    assert len(set(s["final_param_digest"].values())) == 1
+    assert run.leftovers == [], run.leftovers
+
+
+def s_step_timeout(run) -> float:
+    [started] = [e for e in run.events if e["event"] == "run_started"]
+    return started["config"]["timeouts"]["step_s"]
+
+
+def test_every_group_failing_at_once_is_reported_as_lost_progress_not_a_recovery(run_dir):
+    # Both groups die in the same step: nobody holds the state, so the new generations can
+    # only "heal" from each other at step 0. The run must say it started over.
+    run = train(run_dir, "replicas=2", "steps=40", "faults=kill@12:0,kill@12:1")
+    assert run.returncode == 3, run.output[-4000:]
+    s = run.summary
+    [lost] = s["progress_lost"]
+    assert lost["at_step"] >= 12 and lost["restarted_at_step"] < lost["at_step"]
+    assert "scratch" in {f["recovered_from"] for f in s["faults"]}
+    assert "peer" not in {f["recovered_from"] for f in s["faults"]}, "a fresh peer is no recovery"
+    assert s["outcome"]["status"] == "degraded" and "training state lost" in s["outcome"]["reasons"][0]
+    assert run.leftovers == [], run.leftovers
