@@ -135,8 +135,8 @@ class Controller:
         """Every slot trains on its own; one slot's trouble never cancels another's.
 
         Once a group reaches the target, a slot still recovering stops at once (its group
-        could not rejoin anyway) and a slot still training gets `timeouts.stop_s` to finish
-        its last step, so the run ends promptly even while a provider call or a step hangs.
+        could not rejoin anyway) and a slot with a step out gets `timeouts.stop_s` to finish
+        it, so the run ends promptly even while a provider call or a step hangs.
         """
         ctx = self.ctx
         tasks = {asyncio.ensure_future(s.drive()): s for s in self.slots}
@@ -144,8 +144,8 @@ class Controller:
         try:
             while pending and not ctx.finishing:
                 _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            for task in pending:
-                if tasks[task].state is not SlotState.TRAINING:
+            for task in pending:  # a step call already out (a rejoiner's last sync too) may finish
+                if tasks[task].state is not SlotState.TRAINING and tasks[task].in_flight_since is None:
                     task.cancel()
             if pending:
                 _, pending = await asyncio.wait(pending, timeout=ctx.cfg.timeouts.stop_s)

@@ -3,16 +3,18 @@
 Generation g of replica r is a process mesh named `r{r}g{g}`. A new generation is spawned
 (processes up, torch and torchtitan imported) ahead of need as a warm standby, so a
 recovery only builds the trainer. A generation that failed on a live host is discarded
-(its processes stopped); one on a dead host is abandoned (stopping it there would hang).
+(its processes stopped); one on a dead host is abandoned (stopping it there would hang),
+and the slot's generations move to a replacement host from the provider.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
-from monarch_sky.context import RunContext
-from monarch_sky.hosts import Host
+from monarch_sky.context import RunContext, off_loop
+from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import ReplicaGroup
 
 
@@ -25,8 +27,27 @@ class Generations:
         self.spawned = 0  # generations spawned so far (standbys included)
         self.standby: asyncio.Task | None = None  # resolves to a warmed next generation
 
-    def move_to(self, host: Host, host_mesh: Any) -> None:
-        self.host, self.host_mesh = host, host_mesh
+    async def move_to_new_host(self) -> None:
+        """Ask the provider for a host to replace the lost one and attach to it; raises
+        HostError when none comes within `hosts.provision_timeout_s` (or the provider fails)."""
+        from monarch_sky.supervision import short_reason
+
+        ctx, lost, index = self.ctx, self.host, self.index
+        timeout_s = ctx.cfg.hosts.provision_timeout_s
+        ctx.record.event("host_lost", replica=index, host=lost.address)
+        ctx.display.line(f"[replica {index}] host {lost.name} ({lost.address}) is gone; asking for a replacement")
+        began = time.monotonic()
+        try:
+            host = await asyncio.wait_for(off_loop(ctx.provider.replace, lost), timeout_s)
+            mesh = await attach_host(ctx, host)
+        except Exception as e:
+            reason = f"no replacement host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else short_reason(str(e) or type(e).__name__)
+            ctx.record.event("host_replacement_failed", replica=index, reason=reason)
+            raise HostError(f"host {lost.name} was lost and no replacement came: {reason}") from None
+        self.host, self.host_mesh = host, mesh
+        seconds = round(time.monotonic() - began, 3)
+        ctx.record.event("host_replaced", replica=index, host=host.address, seconds=seconds)
+        ctx.display.line(f"[replica {index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
 
     async def spawn(self) -> ReplicaGroup:
         """A new generation with processes up and code imported."""

@@ -18,10 +18,11 @@ import enum
 import time
 from typing import Any
 
+from monarch_sky import rejoin
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import start_host_agent
-from monarch_sky.generations import Generations, attach_host
-from monarch_sky.hosts import Host, HostError
+from monarch_sky.generations import Generations
+from monarch_sky.hosts import Host
 from monarch_sky.replica import GroupFailed, ReplicaGroup
 from monarch_sky.step_result import StepResult
 
@@ -139,23 +140,12 @@ class Slot:
             self.in_flight_since = None
 
     async def _join_next_sync(self) -> None:
-        """DiLoCo: a new generation heals only at a sync, so it waits until another group's
-        next step is a sync, then joins that quorum without training first. Asking earlier
-        would wait in the lighthouse past TorchFT's quorum timeout, or take a quorum without
-        a survivor that comes later."""
-        ctx, every = self.ctx, self.ctx.cfg.ft.sync_steps
         began = time.monotonic()
-        deadline = began + every * ctx.cfg.timeouts.step_s
-        while not ctx.finishing and time.monotonic() < deadline:
-            others = [s for s in ctx.slots if s is not self and s.state is SlotState.TRAINING]
-            if not others or any(s.step % every == every - 1 for s in others):
-                break
-            await asyncio.sleep(0.02)
-        if ctx.finishing:
+        if not await rejoin.wait_for_next_sync(self.ctx, self):
             return
         issued = time.monotonic()
-        ctx.record.event("rejoin_joined_sync", replica=self.index, waited_s=round(issued - began, 3))
-        self.on_result(await self._timed(self.group.join(ctx.cfg.timeouts.step_s), issued), issued)
+        self.ctx.record.event("rejoin_joined_sync", replica=self.index, waited_s=round(issued - began, 3))
+        self.on_result(await self._timed(self.group.join(self.ctx.cfg.timeouts.step_s), issued), issued)
 
     def on_result(self, r: StepResult, issued: float) -> None:
         ctx, now = self.ctx, time.monotonic()
@@ -178,7 +168,7 @@ class Slot:
 
     def _rejoined(self, r: StepResult, now: float) -> None:
         self.state = SlotState.TRAINING
-        source = "peer" if r.healed and not self._progress_lost(r) else "scratch"
+        source = "peer" if r.healed and not rejoin.progress_lost(self.ctx, self.index, r) else "scratch"
         faults = self.ctx.injector.rejoined(self.index, source, now)
         self.ctx.record.event(
             "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source
@@ -186,21 +176,6 @@ class Slot:
         after = "".join(f", {rec.seconds(now):.2f}s after the {rec.fault.kind}" for rec in faults)
         self.ctx.display.line(f"[replica {self.index}] rejoined at step {r.step}{after} (weights from {source})")
         self.gens.refill_standby()
-
-    def _progress_lost(self, r: StepResult) -> bool:
-        """Every group that held the run's state failed before this one healed: it healed from
-        a group as fresh as itself, and the run starts over. Say so; never call it a recovery."""
-        ctx = self.ctx
-        slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
-        if r.step >= ctx.ledger.run_step - slack:
-            return False
-        lost = {"replica": self.index, "at_step": ctx.ledger.run_step, "restarted_at_step": r.step}
-        if not any(p["at_step"] == lost["at_step"] for p in ctx.progress_lost):
-            ctx.progress_lost.append(lost)
-            ctx.record.event("progress_lost", **lost)
-            ctx.display.line(f"[run] every group holding the state failed: training restarts at step {r.step} "
-                             f"(was {ctx.ledger.run_step}); there is no checkpoint")
-        return True
 
     def kill_host(self) -> None:
         self.ctx.in_background(self.ctx.provider_call(self.ctx.provider.kill, self.host, what=f"killing host {self.host.name}"))
@@ -283,25 +258,10 @@ class Slot:
         await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing lost host {host.name}")
 
     async def _replace_host(self) -> None:
-        """Move the slot to a new host; raises HostError (a restart of this slot) if none comes."""
-        ctx, lost = self.ctx, self.host
-        timeout_s = ctx.cfg.hosts.provision_timeout_s
-        ctx.record.event("host_lost", replica=self.index, host=lost.address)
-        ctx.display.line(f"[replica {self.index}] host {lost.name} ({lost.address}) is gone; asking for a replacement")
-        began = time.monotonic()
-        try:
-            host = await asyncio.wait_for(off_loop(ctx.provider.replace, lost), timeout_s)
-            mesh = await attach_host(ctx, host)
-        except Exception as e:
-            reason = f"no replacement host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else _describe(e)
-            ctx.record.event("host_replacement_failed", replica=self.index, reason=reason)
-            raise HostError(f"host {lost.name} was lost and no replacement came: {reason}") from None
-        self.gens.move_to(host, mesh)
+        """Move to a new host; raises HostError (a restart of this slot) if none comes."""
+        await self.gens.move_to_new_host()
         self.agent = None
-        ctx.in_background(self.start_agent())
-        seconds = round(time.monotonic() - began, 3)
-        ctx.record.event("host_replaced", replica=self.index, host=host.address, seconds=seconds)
-        ctx.display.line(f"[replica {self.index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
+        self.ctx.in_background(self.start_agent())
 
     async def retire(self, reason: str) -> None:
         group = self.group

@@ -1,0 +1,49 @@
+"""Two questions about a new generation rejoining the run, asked by its slot.
+
+- DiLoCo: when to join? A new generation heals only at a sync, so it waits until another
+  group's next step is a sync, then joins that quorum without training first. Asking
+  earlier would wait in the lighthouse past TorchFT's quorum timeout, or take a quorum
+  without a survivor that comes later.
+- Did it recover anything? If every group that held the run's state failed before it
+  healed, it healed from a group as fresh as itself and training starts over. That is
+  reported as lost progress, never as a recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from monarch_sky.context import RunContext
+from monarch_sky.step_result import StepResult
+
+
+async def wait_for_next_sync(ctx: RunContext, slot) -> bool:
+    """Wait until another training group's next step is a sync (or none trains); False if
+    the run is finishing. Bounded by one sync interval of step timeouts."""
+    from monarch_sky.slot import SlotState
+
+    every = ctx.cfg.ft.sync_steps
+    deadline = time.monotonic() + every * ctx.cfg.timeouts.step_s
+    while not ctx.finishing and time.monotonic() < deadline:
+        others = [s for s in ctx.slots if s is not slot and s.state is SlotState.TRAINING]
+        if not others or any(s.step % every == every - 1 for s in others):
+            break
+        await asyncio.sleep(0.02)
+    return not ctx.finishing
+
+
+def progress_lost(ctx: RunContext, replica: int, r: StepResult) -> bool:
+    """Whether a rejoining group's first commit is far behind the run: nobody held the state."""
+    slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
+    if r.step >= ctx.ledger.run_step - slack:
+        return False
+    lost = {"replica": replica, "at_step": ctx.ledger.run_step, "restarted_at_step": r.step}
+    if not any(p["at_step"] == lost["at_step"] for p in ctx.progress_lost):
+        ctx.progress_lost.append(lost)
+        ctx.record.event("progress_lost", **lost)
+        ctx.display.line(
+            f"[run] every group holding the state failed: training restarts at step {r.step} "
+            f"(was {ctx.ledger.run_step}); there is no checkpoint"
+        )
+    return True

@@ -1,0 +1,148 @@
+"""Every rule a job's settings must meet before anything starts.
+
+Each mistake raises `ConfigError` with a message that starts with the field and says what
+is allowed; the CLI turns it into exit code 2. No value that passes may hang a run.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+
+from omegaconf import DictConfig, OmegaConf
+
+from monarch_sky.faults import KINDS, Fault
+
+
+class ConfigError(ValueError):
+    pass
+
+
+CHOICES = {
+    "ft.mode": ("step", "diloco"),
+    "hosts.provider": ("local", "addresses", "skypilot"),
+    "wandb.mode": ("auto", "online", "offline", "disabled"),
+}
+# Numeric bounds, checked in this order; a value must also be finite (no nan or inf).
+AT_LEAST_ONE = (
+    "replicas",
+    "procs_per_replica",
+    "steps",
+    "ft.sync_steps",
+    "ft.min_replicas",
+    "training.seq_len",
+    "training.local_batch_size",
+)
+MORE_THAN_ZERO = (  # a zero timeout or tick fails every wait, or never ends one
+    "training.lr",
+    "ft.process_group_timeout_ms",
+    "ft.heartbeat_timeout_ms",
+    "ft.quorum_tick_ms",
+    "ft.join_timeout_ms",
+    "ft.quorum_timeout_s",
+    "timeouts.spawn_s",
+    "timeouts.step_s",
+    "timeouts.stop_s",
+    "timeouts.hang_s",
+    "hosts.provision_timeout_s",
+    "hosts.dead_after_s",
+)
+AT_LEAST_ZERO = (
+    "seed",
+    "training.warmup_steps",
+    "ft.max_restarts",
+    "hosts.provision_delay_s",
+    "hosts.max_replacements",
+    "chaos.every_s",
+    "chaos.seed",
+)
+BOUNDS = (
+    (AT_LEAST_ONE, ">= 1", lambda v: v >= 1),
+    (MORE_THAN_ZERO, "> 0", lambda v: v > 0),
+    (AT_LEAST_ZERO, ">= 0", lambda v: v >= 0),
+)
+RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # a plain file name: no '/', no '..'
+
+
+def validate(config: DictConfig) -> None:
+    for keys, bound, ok in BOUNDS:
+        for key in keys:
+            value = OmegaConf.select(config, key)
+            if not (math.isfinite(value) and ok(value)):
+                finite = "" if math.isfinite(value) else "a finite number "
+                raise ConfigError(f"{key}: must be {finite}{bound}, got {value}")
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(config, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
+    if config.training.warmup_steps > config.steps:
+        raise ConfigError(
+            f"training.warmup_steps: {config.training.warmup_steps} is more than steps={config.steps}; "
+            f"set training.warmup_steps to at most {config.steps}"
+        )
+    if config.run_id is not None and not RUN_ID.fullmatch(config.run_id):
+        raise ConfigError(
+            f"run_id: '{config.run_id}' is not a plain name; use letters, digits, '.', '_', '-' "
+            "(not starting with '.'), at most 128 characters"
+        )
+    if config.ft.quorum_timeout_s >= config.timeouts.step_s:
+        raise ConfigError(
+            f"ft.quorum_timeout_s: {config.ft.quorum_timeout_s} must be below timeouts.step_s="
+            f"{config.timeouts.step_s:g}, so TorchFT gives up on a quorum before the controller gives up on the step"
+        )
+    if config.ft.min_replicas > config.replicas:
+        raise ConfigError(
+            f"ft.min_replicas: {config.ft.min_replicas} is more than replicas={config.replicas}"
+        )
+    if config.ft.mode == "diloco" and config.steps % config.ft.sync_steps:
+        raise ConfigError(
+            f"ft.sync_steps: steps={config.steps} is not a multiple of ft.sync_steps="
+            f"{config.ft.sync_steps}; in diloco mode the run must end on a sync"
+        )
+    _validate_hosts(config)
+    if not os.path.isdir(config.data.tokenizer_path):
+        raise ConfigError(f"data.tokenizer_path: no such directory '{config.data.tokenizer_path}'")
+    if config.data.dataset_path is not None and not os.path.exists(config.data.dataset_path):
+        raise ConfigError(f"data.dataset_path: no such file or directory '{config.data.dataset_path}'")
+
+
+def _validate_hosts(config: DictConfig) -> None:
+    from monarch_sky.hosts import HostError, parse_address
+
+    hosts = config.hosts
+    if hosts.provider == "local":
+        return
+    if not hosts.controller_ip:
+        raise ConfigError(f"hosts.controller_ip: required with hosts.provider={hosts.provider} (this node's IP)")
+    if hosts.provider == "skypilot" and not (hosts.recipe_yaml and os.path.isfile(hosts.recipe_yaml)):
+        raise ConfigError(f"hosts.recipe_yaml: '{hosts.recipe_yaml}' is not a file; replacements launch from it")
+    if len(hosts.addresses) < config.replicas:
+        raise ConfigError(
+            f"hosts.addresses: {len(hosts.addresses)} given, but replicas={config.replicas} "
+            "needs one worker address (IP:PORT) per replica group"
+        )
+    for address in hosts.addresses:
+        try:
+            parse_address(address, name="check")
+        except HostError as e:
+            raise ConfigError(f"hosts.addresses: {e}") from None
+
+
+def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
+    if any(f.kind == "host" for f in faults) and config.hosts.provider != "local":
+        raise ConfigError(
+            f"faults: host faults can only be injected with hosts.provider=local, not {config.hosts.provider}"
+        )
+    chaos = config.chaos
+    unknown = [k for k in chaos.kinds if k not in KINDS]
+    if unknown:
+        raise ConfigError(f"chaos.kinds: unknown kind {unknown[0]}; allowed: {', '.join(KINDS)}")
+    if chaos.every_s > 0 and not chaos.kinds:
+        raise ConfigError("chaos.kinds: empty; name at least one kind, or set chaos.every_s=0")
+    if chaos.every_s > 0 and config.replicas < 2:
+        raise ConfigError(f"chaos.every_s: replicas={config.replicas} leaves nobody to heal from; use replicas>=2")
+    if chaos.every_s > 0 and "host" in chaos.kinds and config.hosts.provider != "local":
+        raise ConfigError(
+            f"chaos.kinds: host faults need hosts.provider=local, not {config.hosts.provider}; drop host from chaos.kinds"
+        )
