@@ -113,10 +113,19 @@ class GroupTrainer:
     def _record_commit_decisions(self) -> None:
         """Keep what `should_commit` returned: TorchFT's commit decision, agreed across the
         group's ranks. Inferring it from the step counter is wrong after a heal, which sets
-        the counter to the quorum's step before the decision is made."""
-        decide = self.manager.should_commit
+        the counter to the quorum's step before the decision is made.
+
+        It also waits for the step's quorum first. torchft 0.2.0's `should_commit` checks
+        whether this rank is healing before it waits for the async quorum; when an error
+        was reported earlier in the step, the all-reduce that normally waits is skipped, so
+        a healing rank can decide before its quorum has staged the peer's state. That state
+        is then dropped, while the quorum already set the step counter to the peers': the
+        rank never heals and trains on from fresh weights (seen: diverged digests).
+        """
+        decide, manager = self.manager.should_commit, self.manager
 
         def should_commit(*args, **kwargs) -> bool:
+            manager.wait_quorum()
             self._decision = decide(*args, **kwargs)
             return self._decision
 
