@@ -168,7 +168,7 @@ class Controller:
         elif slot.state is SlotState.TRAINING:
             slot.lose(f"did not finish its last step within timeouts.stop_s={self.ctx.cfg.timeouts.stop_s:g}s")
         else:
-            slot.lose("the run finished before it rejoined")
+            slot.lose(slot.unfinished())
 
     # ---- failure detection -----------------------------------------------------------
 

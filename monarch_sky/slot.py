@@ -49,6 +49,7 @@ class Slot:
         self.uncommitted = 0  # steps this slot's groups ran that TorchFT did not commit
         self.data_states: tuple = ()  # per rank: where the group's kept training left its data
         self.in_flight_since: float | None = None  # when the step call now running was issued
+        self.last_failure: str | None = None  # why the last recovery attempt failed
 
     @property
     def host(self) -> Host:
@@ -85,13 +86,18 @@ class Slot:
 
     def may_restart(self, reason: str) -> bool:
         if self.ctx.finishing:
-            self.lose("the run finished before it could rejoin")
+            self.lose(self.unfinished())
             return False
         if self.restarts >= self.ctx.cfg.ft.max_restarts:
             self.lose(f"{reason}; gave up after {self.restarts} restarts (ft.max_restarts)")
             return False
         self.restarts += 1
         return True
+
+    def unfinished(self) -> str:
+        """Why a slot the run ended without is lost, with what held it up."""
+        held_up = f" (last recovery failure: {self.last_failure})" if self.last_failure else ""
+        return f"the run finished before it rejoined{held_up}"
 
     def lose(self, reason: str) -> None:
         self.state = SlotState.LOST
@@ -108,7 +114,7 @@ class Slot:
         self.state = SlotState.TRAINING
         while self.state not in (SlotState.DONE, SlotState.LOST):
             if self.ctx.finishing and self.state is SlotState.REJOINING:
-                await self.retire("the run finished before it rejoined")
+                await self.retire(self.unfinished())
                 return
             try:
                 if self.state is SlotState.REJOINING and self.ctx.cfg.ft.mode == "diloco":
@@ -220,6 +226,7 @@ class Slot:
                 await self._come_back(host_alive)
                 return
             except Exception as e:  # never let one slot's recovery end the run
+                self.last_failure = _describe(e)
                 self.ctx.record.event("recovery_error", replica=self.index, error=_describe(e))
                 self.ctx.display.line(f"[replica {self.index}] recovery failed: {_describe(e)}")
                 if not self.may_restart(_describe(e)):
@@ -241,12 +248,14 @@ class Slot:
         return host_alive
 
     async def _come_back(self, host_alive: bool) -> None:
-        if not host_alive:
-            await self._replace_host()
+        if not host_alive:  # raises HostError (a restart of this slot) if no host comes
+            await self.gens.move_to_new_host()
+            self.agent = None
+            self.ctx.in_background(self.start_agent())
         if not await self.activate(rejoining=True):
             return
         if self.ctx.finishing:
-            await self.retire("the run finished before it rejoined")
+            await self.retire(self.unfinished())
             return
         self.state = SlotState.REJOINING
         self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}, rejoining")
@@ -256,12 +265,6 @@ class Slot:
         stop where the provider can reach them. Its replacement gets new TorchFT replica ids
         (each manager adds a fresh uuid), so old processes can never pose as the new group."""
         await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing lost host {host.name}")
-
-    async def _replace_host(self) -> None:
-        """Move to a new host; raises HostError (a restart of this slot) if none comes."""
-        await self.gens.move_to_new_host()
-        self.agent = None
-        self.ctx.in_background(self.start_agent())
 
     async def retire(self, reason: str) -> None:
         group = self.group

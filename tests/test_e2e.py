@@ -124,7 +124,7 @@ def test_replacement_host_never_arrives_training_finishes_without_it(run_dir):
     assert s["committed_steps"] == 60
     assert s["unplanned_failures"] == []
     [lost] = s["lost_replicas"]
-    assert lost["replica"] == 1 and "no replacement" in lost["reason"]
+    assert lost["replica"] == 1 and "no replacement" in lost["reason"], lost
     assert s["restarts"]["0"] == 0, "the survivor was never restarted"
     [fault] = s["faults"]
     assert fault["rejoined_s"] is None and fault["recovered_from"] is None
