@@ -4,14 +4,15 @@
   group's next step is a sync, then joins that quorum without training first. Asking
   earlier would wait in the lighthouse past TorchFT's quorum timeout, or take a quorum
   without a survivor that comes later.
-- Did it recover anything? If every group that held the run's state failed before it
-  healed, it healed from a group as fresh as itself and training starts over. That is
-  reported as lost progress, never as a recovery.
+- Did it recover anything? A commit far behind the run is no rejoin: while a group that
+  holds the state trains, the newcomer heals from it later; if none does, training has
+  started over, which is reported as lost progress, never as a recovery.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 
 from monarch_sky.context import RunContext
@@ -33,12 +34,32 @@ async def wait_for_next_sync(ctx: RunContext, slot) -> bool:
     return not ctx.finishing
 
 
-def progress_lost(ctx: RunContext, replica: int, r: StepResult) -> bool:
-    """Whether a rejoining group's first commit is far behind the run: nobody held the state."""
+class Behind(enum.Enum):
+    NO = "no"  # it committed at the run's step: a real rejoin
+    CATCHING_UP = "catching up"  # behind, but a group holding the state trains: it heals later
+    STATE_LOST = "state lost"  # behind, and nobody holds the state any more
+
+
+def behind(ctx: RunContext, slot, r: StepResult) -> Behind:
+    """Whether a rejoining group's cross-group commit is at the run's step.
+
+    A commit far behind means its quorum had no group holding the state: two fresh groups
+    can commit a step together while the holder's heartbeat is late (seen on a loaded
+    2-core machine). If a holder still trains, the next quorum heals the newcomer from it;
+    if none does, training has started over: reported as lost progress, never a recovery.
+    """
+    from monarch_sky.slot import SlotState
+
     slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
     if r.step >= ctx.ledger.run_step - slack:
-        return False
-    lost = {"replica": replica, "at_step": ctx.ledger.run_step, "restarted_at_step": r.step}
+        return Behind.NO
+    holders = [
+        s for s in ctx.slots
+        if s is not slot and s.state in (SlotState.TRAINING, SlotState.DONE) and s.step >= ctx.ledger.run_step - slack
+    ]
+    if holders:
+        return Behind.CATCHING_UP
+    lost = {"replica": slot.index, "at_step": ctx.ledger.run_step, "restarted_at_step": r.step}
     if not any(p["at_step"] == lost["at_step"] for p in ctx.progress_lost):
         ctx.progress_lost.append(lost)
         ctx.record.event("progress_lost", **lost)
@@ -46,4 +67,4 @@ def progress_lost(ctx: RunContext, replica: int, r: StepResult) -> bool:
             f"[run] every group holding the state failed: training restarts at step {r.step} "
             f"(was {ctx.ledger.run_step}); there is no checkpoint"
         )
-    return True
+    return Behind.STATE_LOST

@@ -173,8 +173,12 @@ class Slot:
             ctx.finishing = True
 
     def _rejoined(self, r: StepResult, now: float) -> None:
+        behind = rejoin.behind(self.ctx, self, r)
+        if behind == rejoin.Behind.CATCHING_UP:  # a commit without the state holders: not a rejoin
+            self.ctx.record.event("rejoin_behind", replica=self.index, step=r.step, run_step=self.ctx.ledger.run_step)
+            return
         self.state = SlotState.TRAINING
-        source = "peer" if r.healed and not rejoin.progress_lost(self.ctx, self.index, r) else "scratch"
+        source = "peer" if r.healed and behind == rejoin.Behind.NO else "scratch"
         faults = self.ctx.injector.rejoined(self.index, source, now)
         self.ctx.record.event(
             "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source
