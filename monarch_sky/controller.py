@@ -26,6 +26,7 @@ from monarch_sky.ledger import StatusCounts, StepLedger
 from monarch_sky.progress import Display
 from monarch_sky.slot import Slot, SlotState
 from monarch_sky.summary import build_summary
+from monarch_sky.supervision import resolved
 from monarch_sky.tracking import RunRecord, Tracker
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ class Controller:
             self.ctx.in_background(self._check_hang(slot, group))
         if reachable and slot.agent is not None and group.pids:
             try:
-                exited = await asyncio.wait_for(_await(slot.agent.exited.call_one(group.pids)), 2 * DETECT_EVERY_S)
+                exited = await asyncio.wait_for(resolved(slot.agent.exited.call_one(group.pids)), 2 * DETECT_EVERY_S)
             except Exception:  # a slow or restarting agent says nothing either way
                 return
             if exited and slot.group is group:
@@ -262,7 +263,3 @@ class Controller:
         except asyncio.TimeoutError:
             self.ctx.record.event("shutdown_stage_timed_out", stage=what)
             log.warning("stopping the %s took longer than timeouts.stop_s; moving on", what)
-
-
-async def _await(future):
-    return await future

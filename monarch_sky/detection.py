@@ -21,6 +21,8 @@ import signal
 
 from monarch.actor import Actor, endpoint
 
+from monarch_sky.supervision import resolved
+
 
 class HostAgent(Actor):
     """Lives on a host beside its replica groups; reports and ends their processes."""
@@ -53,12 +55,9 @@ async def start_host_agent(host_mesh, name: str, timeout_s: float):
     """A one-process mesh on the host running a `HostAgent`; returns the agent once it answers."""
     procs = host_mesh.spawn_procs(per_host={"gpus": 1}, name=name)
     agent = procs.spawn("host-agent", HostAgent)
-    await asyncio.wait_for(_await(agent.exited.call_one([])), timeout_s)
+    await asyncio.wait_for(resolved(agent.exited.call_one([])), timeout_s)
     return agent
 
-
-async def _await(future):
-    return await future
 
 
 class HostWatchdog:

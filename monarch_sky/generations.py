@@ -16,6 +16,7 @@ from typing import Any
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import ReplicaGroup
+from monarch_sky.supervision import describe_error, resolved
 
 
 class Generations:
@@ -30,8 +31,6 @@ class Generations:
     async def move_to_new_host(self) -> None:
         """Ask the provider for a host to replace the lost one and attach to it; raises
         HostError when none comes within `hosts.provision_timeout_s` (or the provider fails)."""
-        from monarch_sky.supervision import short_reason
-
         ctx, lost, index = self.ctx, self.host, self.index
         timeout_s = ctx.cfg.hosts.provision_timeout_s
         ctx.record.event("host_lost", replica=index, host=lost.address)
@@ -41,7 +40,7 @@ class Generations:
             host = await asyncio.wait_for(off_loop(ctx.provider.replace, lost), timeout_s)
             mesh = await attach_host(ctx, host)
         except Exception as e:
-            reason = f"no replacement host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else short_reason(str(e) or type(e).__name__)
+            reason = f"no replacement host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else describe_error(e)
             ctx.record.event("host_replacement_failed", replica=index, reason=reason)
             raise HostError(f"host {lost.name} was lost and no replacement came: {reason}") from None
         self.host, self.host_mesh = host, mesh
@@ -118,9 +117,5 @@ async def attach_host(ctx: RunContext, host: Host):
     from monarch.actor import attach_to_workers
 
     mesh = attach_to_workers(name=f"host-{host.name}", ca="trust_all_connections", workers=[host.address])
-    await asyncio.wait_for(_await(mesh.initialized), ctx.cfg.timeouts.spawn_s)
+    await asyncio.wait_for(resolved(mesh.initialized), ctx.cfg.timeouts.spawn_s)
     return mesh
-
-
-async def _await(future):
-    return await future

@@ -18,6 +18,7 @@ from monarch.actor import Actor, endpoint
 from monarch_sky import platform as platform_mod
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.step_result import StepResult, combine
+from monarch_sky.supervision import resolved
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,6 @@ def _quiet_logs() -> None:
 class GroupFailed(RuntimeError):
     """The replica group cannot go on: a process died, a call raised, or a step hung."""
 
-
-async def _await(future):
-    return await future
 
 
 def _consume(task: asyncio.Future) -> None:
@@ -171,7 +169,7 @@ class ReplicaGroup:
         """Whether every rank's process still runs Python: a hung one (GIL held, frozen)
         cannot answer, while a healthy one answers even in the middle of a long step."""
         try:
-            await asyncio.wait_for(_await(self.fault_actors.pid.call()), timeout_s)
+            await asyncio.wait_for(resolved(self.fault_actors.pid.call()), timeout_s)
             return True
         except Exception:
             return False
@@ -193,7 +191,7 @@ class ReplicaGroup:
             return
         mesh, self.proc_mesh = self.proc_mesh, None
         try:
-            await asyncio.wait_for(_await(mesh.stop()), timeout_s)
+            await asyncio.wait_for(resolved(mesh.stop()), timeout_s)
         except Exception as e:  # a mesh with a dead process may refuse or hang
             log.warning("stopping %s: %s", self.owner, e)
 
@@ -201,7 +199,7 @@ class ReplicaGroup:
         """Await a Monarch call, giving up as soon as the group is known to have failed."""
         if self._failed.is_set():
             raise GroupFailed(self.failure)
-        call = asyncio.ensure_future(_await(future))
+        call = asyncio.ensure_future(resolved(future))
         failed = asyncio.ensure_future(self._failed.wait())
         try:
             await asyncio.wait({call, failed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)

@@ -25,6 +25,7 @@ from monarch_sky.generations import Generations
 from monarch_sky.hosts import Host
 from monarch_sky.replica import GroupFailed, ReplicaGroup
 from monarch_sky.step_result import StepResult
+from monarch_sky.supervision import describe_error, resolved
 
 
 class SlotState(enum.Enum):
@@ -72,7 +73,7 @@ class Slot:
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 if group is not None:
                     await self.gens.discard(group)
-                reason = _describe(e)
+                reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
                 if not self.may_restart(f"could not start: {reason}"):
                     return False
@@ -122,12 +123,12 @@ class Slot:
                 else:
                     await self._one_step()
             except GroupFailed as e:
-                await self.recover(_describe(e))
+                await self.recover(describe_error(e))
             except Exception as e:  # a bug or an unexpected answer: this generation is done for
-                self.ctx.record.event("replica_error", replica=self.index, error=_describe(e))
+                self.ctx.record.event("replica_error", replica=self.index, error=describe_error(e))
                 if self.group is not None:
-                    self.group.mark_failed(_describe(e))
-                    await self.recover(_describe(e))
+                    self.group.mark_failed(describe_error(e))
+                    await self.recover(describe_error(e))
 
     async def _one_step(self) -> None:
         ctx, group = self.ctx, self.group
@@ -230,10 +231,10 @@ class Slot:
                 await self._come_back(host_alive)
                 return
             except Exception as e:  # never let one slot's recovery end the run
-                self.last_failure = _describe(e)
-                self.ctx.record.event("recovery_error", replica=self.index, error=_describe(e))
-                self.ctx.display.line(f"[replica {self.index}] recovery failed: {_describe(e)}")
-                if not self.may_restart(_describe(e)):
+                self.last_failure = describe_error(e)
+                self.ctx.record.event("recovery_error", replica=self.index, error=describe_error(e))
+                self.ctx.display.line(f"[replica {self.index}] recovery failed: {describe_error(e)}")
+                if not self.may_restart(describe_error(e)):
                     return
                 host_alive = await off_loop(self.ctx.provider.alive, self.host)
 
@@ -291,16 +292,4 @@ class Slot:
     async def release(self) -> None:
         """Tell a live host's worker the run is over (bootstrapped nodes then exit)."""
         if await off_loop(self.ctx.provider.alive, self.host):
-            await asyncio.wait_for(_await(self.gens.host_mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
-
-async def _await(future):
-    return await future
-
-
-def _describe(e: BaseException) -> str:
-    from monarch_sky.supervision import short_reason
-
-    if isinstance(e, asyncio.TimeoutError):
-        return "timed out"
-    return short_reason(str(e)) if str(e) else type(e).__name__
-
+            await asyncio.wait_for(resolved(self.gens.host_mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)

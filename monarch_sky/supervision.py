@@ -91,3 +91,18 @@ def short_reason(report: str) -> str:
     if "> has status:" in first:  # "... actor <root>.<...> has status: <status>"
         return "actor " + first.rsplit("> has status:", 1)[1].strip()[:280]
     return first[:300]
+
+
+async def resolved(future):
+    """Await a Monarch future (a call or a mesh's readiness) as a coroutine, so asyncio can
+    time it out."""
+    return await future
+
+
+def describe_error(e: BaseException) -> str:
+    """One line for a failure of any kind: a timeout, a Monarch report, an exception."""
+    import asyncio
+
+    if isinstance(e, asyncio.TimeoutError):
+        return "timed out"
+    return short_reason(str(e)) if str(e) else type(e).__name__
