@@ -53,6 +53,7 @@ class StepLedger:
 
     def add(self, r: StepResult, now: float) -> None:
         self.step_seconds = 0.8 * self.step_seconds + 0.2 * r.seconds
+        self.record.step(r.replica, r.step, r.committed, r.seconds, r.loss, r.participants)
         if not r.committed:
             return
         self._recent.append(r.seconds)

@@ -1,8 +1,9 @@
 """Run record and Weights & Biases tracking.
 
 The run record is what tests and tools read: `<run_dir>/<run_id>/events.jsonl` (one JSON
-object per event, written as it happens) and `<run_dir>/<run_id>/summary.json` (at the
-end). W&B gets the same metrics and events; it runs offline unless WANDB_API_KEY is set or
+object per event, written as it happens), `steps.jsonl` (one line per replica group's step:
+the format `monarch-sky report` and `make bench` read for every arm) and `summary.json` (at
+the end). W&B gets the same metrics and events; it runs offline unless WANDB_API_KEY is set or
 `wandb.mode=online`. The API key is read by wandb itself and never logged here.
 """
 
@@ -26,14 +27,21 @@ class RunRecord:
         self.summary_path = self.path / "summary.json"
         self._start = time.monotonic()
         self._events = open(self.events_path, "a", buffering=1)
+        self._steps = open(self.path / "steps.jsonl", "a", buffering=1)
 
     def elapsed(self, at: float | None = None) -> float:
         return (time.monotonic() if at is None else at) - self._start
 
     def event(self, name: str, **fields: Any) -> dict[str, Any]:
-        event = {"t": round(self.elapsed(), 3), "event": name, **fields}
+        event = {"t": round(self.elapsed(), 3), "wall": round(time.time(), 3), "event": name, **fields}
         self._events.write(json.dumps(event) + "\n")
         return event
+
+    def step(self, replica: int, step: int, committed: bool, seconds: float, loss: float | None, participants: int) -> None:
+        """One replica group's step as it ended (committed or not)."""
+        line = {"wall": round(time.time(), 3), "replica": replica, "step": step, "committed": committed,
+                "seconds": round(seconds, 4), "loss": loss, "participants": participants}
+        self._steps.write(json.dumps(line) + "\n")
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         tmp = self.summary_path.with_suffix(".tmp")
@@ -42,6 +50,7 @@ class RunRecord:
 
     def close(self) -> None:
         self._events.close()
+        self._steps.close()
 
 
 def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
@@ -135,18 +144,22 @@ class Tracker:
         """Event metrics (fault timings), sent with the next step's metrics."""
         self._pending.update(metrics)
 
-    def finish(self, summary: dict[str, Any]) -> None:
+    def finish(self, summary: dict[str, Any], plots: list[Path]) -> None:
+        """Final numbers, the report's plots as media and the faults as a table."""
         if self.run is None:
             return
         try:
-            if self._pending:
-                self.run.log(self._pending)
+            import wandb
+
+            media = {f"report/{plot.stem}": wandb.Image(str(plot)) for plot in plots}
+            if summary.get("faults"):
+                columns = list(summary["faults"][0])
+                media["faults"] = wandb.Table(columns=columns, data=[[f[c] for c in columns] for f in summary["faults"]])
+            self.run.log({**self._pending, **media})
             for key in ("committed_steps", "wall_s", "checkpoints_written"):
                 self.run.summary[key] = summary.get(key)
             self.run.summary["outcome"] = summary["outcome"]["status"]
             self.run.finish()
-            import wandb
-
             wandb.teardown()
         except Exception as e:
             self._fail("finish", e)
