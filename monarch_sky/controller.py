@@ -73,7 +73,7 @@ class Controller:
             ctx.record.event("training_started", replicas=len(self.slots))
             ctx.in_background(self._detect())
             if ctx.cfg.chaos.every_s > 0:
-                ctx.in_background(ctx.injector.chaos(ctx.cfg.chaos, ctx.cfg.steps, self._training, lambda: ctx.ledger.run_step))
+                ctx.in_background(ctx.injector.chaos(ctx.cfg.chaos, ctx.cfg.replicas, ctx.cfg.steps, self._training, lambda: ctx.ledger.run_step))
             await self._drive_all()
             ctx.ledger.flush(final=True)
             final, errors = await self._final_states()

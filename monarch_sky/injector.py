@@ -12,7 +12,7 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from monarch_sky.faults import PROCESS_KINDS, Fault
 from monarch_sky.step_result import StepResult
@@ -77,22 +77,21 @@ class FaultInjector:
         self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step)
         self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}")
 
-    async def chaos(self, settings, steps: int, training: Callable[[], list], run_step: Callable[[], int]) -> None:
+    async def chaos(self, settings, replicas: int, steps: int, training: Callable[[], list], run_step: Callable[[], int]) -> None:
         """Random faults at exponential gaps (mean `chaos.every_s`), reproducible from
-        `chaos.seed`. A fault goes only where another group keeps training to heal from,
-        and the last tenth of the run gets none, so every fault has time to heal. (A real
-        cluster makes no such promise: every group failing at once loses the state.)"""
-        rng = random.Random(settings.seed)
-        while True:
-            await asyncio.sleep(rng.expovariate(1.0 / settings.every_s))
-            kind = rng.choice(list(settings.kinds))
+        `chaos.seed` (`chaos_draws`: the same schedule `make bench` gives every arm). A
+        fault goes only where another group keeps training to heal from, and the last
+        tenth of the run gets none, so every fault has time to heal. (A real cluster makes
+        no such promise: every group failing at once loses the state.)"""
+        for gap_s, kind, replica in chaos_draws(settings.every_s, settings.kinds, settings.seed, replicas):
+            await asyncio.sleep(gap_s)
             # A group whose fault is not healed yet may not know it has failed: not eligible.
-            slots = [slot for slot in training() if not self.open_faults(slot.index)]
-            if len(slots) < 2 or run_step() >= 0.9 * steps:
-                self.record.event("chaos_skipped", kind=kind, step=run_step(), training=len(slots))
+            ready = {slot.index: slot for slot in training() if not self.open_faults(slot.index)}
+            if replica not in ready or len(ready) < 2 or run_step() >= 0.9 * steps:
+                self.record.event("chaos_skipped", kind=kind, replica=replica, step=run_step(), training=len(ready))
                 continue
-            slot = rng.choice(slots)
-            fault = Fault(kind, max(run_step(), 1), slot.index)
+            slot = ready[replica]
+            fault = Fault(kind, max(run_step(), 1), replica)
             self.inject(fault, slot.group, slot.kill_host, delay_s=0.0, run_step=run_step())
 
     def open_faults(self, replica: int) -> list[FaultRecord]:
@@ -144,3 +143,12 @@ class FaultInjector:
 
     def recovered(self) -> int:
         return sum(r.rejoined_at is not None for r in self.records)
+
+
+def chaos_draws(every_s: float, kinds, seed: int, replicas: int) -> Iterator[tuple[float, str, int]]:
+    """The chaos schedule, a pure function of its settings: (seconds since the previous
+    draw, fault kind, target replica), forever."""
+    rng = random.Random(seed)
+    kinds = list(kinds)
+    while True:
+        yield rng.expovariate(1.0 / every_s), rng.choice(kinds), rng.randrange(replicas)
