@@ -115,8 +115,20 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         reap_run(run_id, EVERYTHING)
     try:
         record.write_summary(summary)
-        tracker.finish(summary)
+        tracker.finish(summary, _render_report(record.path))
         display.finish(summary, str(record.path), tracker.location)
     finally:
         record.close()
     return summary["outcome"]["exit_code"]
+
+
+def _render_report(run_path) -> list:
+    """The run's `report.md` and `timeline.png` (`monarch-sky report` renders them again)."""
+    try:
+        from monarch_sky.bench.report import render_run
+
+        render_run(run_path)
+        return [run_path / "timeline.png"]
+    except Exception as e:  # a report is no reason to lose the run's exit code
+        log.warning("could not render the run's report: %s", e)
+        return []

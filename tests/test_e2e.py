@@ -58,6 +58,14 @@ def test_segfault_recovers_from_warm_standby(run_dir):
     restarted = [e for e in run.events if e["event"] == "replica_started" and e["generation"] > 0]
     assert [(e["replica"], e["from_standby"]) for e in restarted] == [(2, True)]
     assert "segfault -> replica 2" in run.output and "rejoined" in run.output
+    # The run's report: rendered at the end, again by `monarch-sky report`, and sent to W&B.
+    report = subprocess.run([sys.executable, "-m", "monarch_sky", "report", str(run.path)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "| segfault | 2 |" in report.stdout and (run.path / "timeline.png").stat().st_size > 0
+    wandb_files = run.path / "wandb"
+    assert list(wandb_files.rglob("media/images/report/timeline_*.png"))
+    assert list(wandb_files.rglob("media/table/faults_*.table.json"))
 
 
 def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(run_dir):

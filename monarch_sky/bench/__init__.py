@@ -1,0 +1,1 @@
+"""Benchmarks: run arms of monarch-sky and its baselines, then compare their records."""

@@ -1,0 +1,124 @@
+"""One benchmark arm's numbers, computed the same way for every arm from its records.
+
+Every arm writes `steps.jsonl` (one line per step a replica group, or for a single-job arm
+the whole job as replica -1, ended: wall, step, committed, seconds, loss, participants) and
+the bench writes `faults.jsonl` (wall, kind, replica, and for faults injected from outside
+the time the target's processes came back). The definitions:
+
+- kept step: the last committed line of each (replica, step); a step redone after a restart
+  from a checkpoint keeps only its last run, the earlier ones were lost work;
+- step efficiency: kept lines / all lines (attempted steps);
+- goodput: seconds of kept steps / (replica keys x wall seconds);
+- run step: the highest step committed so far; time to target: when it reached `steps`;
+- median step: median gap between the first commits of consecutive run steps;
+- per fault: resumed = the first commit of another group's step begun after the fault (a
+  single job: begun after its processes came back), rejoined = the target's first commit
+  begun after it came back, regained = the run step back where it was when the fault hit.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    lines = []
+    for text in filter(str.strip, path.read_text().splitlines()):
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            continue  # a line cut short by a kill
+    return sorted(lines, key=lambda line: line.get("wall", 0.0))  # stable: unstamped lines keep their order
+
+
+def kept_lines(lines: list[dict]) -> list[dict]:
+    last: dict[tuple[int, int], dict] = {}
+    for line in lines:
+        if line["committed"]:
+            last[(line["replica"], line["step"])] = line
+    return sorted(last.values(), key=lambda line: line["wall"])
+
+
+def first_commits(lines: list[dict]) -> dict[int, float]:
+    """Run step -> wall time it was first committed by anyone (a new high)."""
+    firsts: dict[int, float] = {}
+    high = 0
+    for line in lines:
+        if line["committed"] and line["step"] > high:
+            high = line["step"]
+            firsts[high] = line["wall"]
+    return firsts
+
+
+def arm_stats(lines: list[dict], started: float, ended: float, target: int) -> dict[str, Any]:
+    wall_s = ended - started
+    kept = kept_lines(lines)
+    keys = {line["replica"] for line in lines} or {0}
+    firsts = first_commits(lines)
+    reached = [wall for step, wall in firsts.items() if step >= target]
+    return {
+        "wall_s": round(wall_s, 2),
+        "committed_steps": max(firsts, default=0),
+        "attempted_steps": len(lines),
+        "step_efficiency": _ratio(len(kept), len(lines)),
+        "goodput": _ratio(sum(line["seconds"] for line in kept), len(keys) * wall_s),
+        "time_to_target_s": round(reached[0] - started, 2) if reached else None,
+        "loss_at_target": _loss_at(kept, target),
+        "median_step_s": _median_gap(firsts),
+    }
+
+
+def fault_times(fault: dict, lines: list[dict], single_job: bool) -> dict[str, float | None]:
+    """Resumed / rejoined / regained seconds of a fault injected from outside."""
+    at, back = fault["wall"], fault.get("restarted_wall")
+    step_then = max((line["step"] for line in lines if line["committed"] and line["wall"] <= at), default=0)
+
+    def first(pred) -> float | None:
+        hit = next((line["wall"] for line in lines if line["committed"] and pred(line)), None)
+        return None if hit is None else round(hit - at, 2)
+
+    def begun_after(line: dict, t: float | None) -> bool:
+        return t is not None and line["wall"] - line["seconds"] >= t
+
+    if single_job:
+        resumed = first(lambda line: begun_after(line, back))
+        rejoined = resumed
+    else:
+        resumed = first(lambda line: line["replica"] != fault["replica"] and begun_after(line, at))
+        rejoined = first(lambda line: line["replica"] == fault["replica"] and begun_after(line, back))
+    regained = first(lambda line: line["wall"] > at and line["step"] > step_then and begun_after(line, back or at))
+    return {"detected_s": None, "resumed_s": resumed, "rejoined_s": rejoined, "regained_s": regained}
+
+
+def by_kind(times: list[tuple[str, dict[str, float | None]]]) -> dict[str, dict[str, Any]]:
+    """Per fault kind: count and the median and max of each time."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in sorted({kind for kind, _ in times}):
+        rows = [t for k, t in times if k == kind]
+        out[kind] = {"count": len(rows)}
+        for name in ("detected_s", "resumed_s", "rejoined_s", "regained_s"):
+            values = [row[name] for row in rows if row.get(name) is not None]
+            out[kind][name] = {
+                "median": round(statistics.median(values), 2) if values else None,
+                "max": round(max(values), 2) if values else None,
+            }
+    return out
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return round(num / den, 4) if den else None
+
+
+def _loss_at(kept: list[dict], target: int) -> float | None:
+    losses = [line["loss"] for line in kept if line["step"] == target and line["loss"] is not None]
+    return round(sum(losses) / len(losses), 4) if losses else None
+
+
+def _median_gap(firsts: dict[int, float]) -> float | None:
+    gaps = [firsts[s] - firsts[s - 1] for s in firsts if s - 1 in firsts]
+    return round(statistics.median(gaps), 4) if gaps else None
