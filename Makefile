@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test chaos bench e2e-sky clean
+.PHONY: train test chaos bench bench-recovery e2e-sky clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,12 @@ test: $(STAMP) $(SKY_STAMP)
 chaos: $(STAMP)
 	$(PY) -m pytest -m chaos -s tests
 
+# Goodput benchmark (monarch-sky vs TorchTitan alone, checkpoint-restart, TorchFT alone): ARGS="--steps 60 --every-s 15"
 bench: $(STAMP)
+	$(PY) -m monarch_sky bench $(ARGS)
+
+# Warm standby against cold respawn: seconds from a kill to the group's rejoin.
+bench-recovery: $(STAMP)
 	$(PY) tools/bench_recovery.py
 
 # SkyPilot itself launching recipes/debug.yaml on a one-node Slurm cluster set up here (root).

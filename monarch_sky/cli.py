@@ -1,4 +1,4 @@
-"""`monarch-sky` command line: train, worker, doctor."""
+"""`monarch-sky` command line: train, worker, doctor, bench, report."""
 
 from __future__ import annotations
 
@@ -32,7 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--expect-gpus", type=int, default=None, help="fail unless this node has this many GPUs")
     doctor.add_argument("--wait", type=float, default=0.0, help="seconds to keep retrying unreachable nodes")
 
+    bench = sub.add_parser("bench", help="goodput benchmark: monarch-sky against checkpoint-restart and TorchFT alone")
+    from monarch_sky.bench.runner import add_arguments
+
+    add_arguments(bench)
+    report = sub.add_parser("report", help="render the table and plots of a past run or bench")
+    report.add_argument("path", metavar="RUN_OR_BENCH_DIR", help="a run folder (summary.json) or bench folder (bench.json)")
+
     args = parser.parse_args(argv)
+    if args.command in ("bench", "report"):
+        return _bench_or_report(args)
     from monarch_sky import supervision
 
     supervision.configure_monarch_env()  # before anything imports Monarch
@@ -47,6 +56,26 @@ def main(argv: list[str] | None = None) -> int:
         worker_mod.run(args.address, args.until_shutdown)
         return 0
     return _train(args.overrides)
+
+
+def _bench_or_report(args) -> int:
+    from pathlib import Path
+
+    from monarch_sky.bench import report
+
+    path = Path(args.path) if args.command == "report" else None
+    if path is None:
+        from monarch_sky.bench.runner import run_bench, settings_from
+
+        path = run_bench(settings_from(args), Path(args.out))
+    try:
+        text, plots = report.render(path)
+    except ValueError as e:
+        print(f"monarch-sky: {e}", file=sys.stderr)
+        return 2
+    print(text)
+    print("\n".join(f"plot: {p}" for p in plots))
+    return 0
 
 
 def _train(overrides: list[str]) -> int:

@@ -1,0 +1,108 @@
+"""The benchmark's arms: what each one launches, and its fault injection.
+
+A   monarch-sky, no faults (`ft.mode=step`, and `A_diloco` with `ft.mode=diloco`)
+B   TorchTitan alone: one torchrun, HSDP over the same processes, no TorchFT, no faults
+C   monarch-sky under the chaos schedule (its own injector)
+D   TorchTitan with periodic checkpoints under `torchrun --max-restarts`: any fault
+    restarts the whole job from the last checkpoint; a host fault requeues the job
+E   TorchFT without Monarch, as TorchTitan documents it: a lighthouse started by hand and
+    one torchrun with restarts per replica group, healing from a peer group
+D and E take the same schedule from `OutsideChaos`. Every arm trains the same recipe,
+seed and length, and writes `steps.jsonl` into its folder.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from monarch_sky.bench.launch import Launch, free_port
+from monarch_sky.bench.outside_chaos import OutsideChaos
+
+LABELS = {
+    "A_step": "A: monarch-sky, no faults (step)",
+    "A_diloco": "A: monarch-sky, no faults (diloco)",
+    "B": "B: TorchTitan alone (HSDP), no faults",
+    "C": "C: monarch-sky, chaos",
+    "D": "D: checkpoint + torchrun restart, chaos",
+    "E": "E: TorchFT + torchrun, no Monarch, chaos",
+}
+MONARCH_ARMS = ("A_step", "A_diloco", "C")
+
+
+@dataclass
+class ArmPlan:
+    key: str
+    dir: Path
+    launches: list[Launch]  # the last ones are the arm's work; a lighthouse comes first
+    chaos: OutsideChaos | None
+    workers: list[Launch]  # the launches whose exit ends the arm
+
+
+def job_overrides(s) -> list[str]:
+    return [
+        f"replicas={s.replicas}", f"procs_per_replica={s.procs}", f"steps={s.steps}",
+        f"seed={s.seed}", "faults=none", "wandb.mode=disabled",
+        f"ft.max_restarts={s.max_restarts}", f"hosts.max_replacements={s.max_restarts}",
+        f"hosts.provision_delay_s={s.provision_delay_s}",
+    ]
+
+
+def plan(key: str, name: str, s, bench_dir: Path, repo: Path) -> ArmPlan:
+    """Arm `key`'s launches, its folder `bench_dir/name`."""
+    arm_dir = bench_dir / name
+    arm_dir.mkdir(parents=True, exist_ok=True)
+    # torch 2.13's torchrun keeps one rendezvous store across restarts without per-attempt
+    # keys: restarted workers would read the dead ones' addresses (see bench/titan_arm.py).
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+    def launch(name: str, cmd: list[str], extra: dict[str, str] | None = None) -> Launch:
+        return Launch(name, cmd, {**env, **(extra or {})}, arm_dir / f"{name}.log", repo)
+
+    if key in MONARCH_ARMS:
+        work = [launch("train", _monarch_cmd(key, name, s, bench_dir))]
+        return ArmPlan(key, arm_dir, work, None, work)
+    if key in ("B", "D"):
+        job = launch("torchrun", _torchrun(s.replicas * s.procs, key, arm_dir, s))
+        chaos = OutsideChaos(arm_dir, s, lambda _replica: job, single_job=True) if key == "D" else None
+        return ArmPlan(key, arm_dir, [job], chaos, [job])
+    if key == "E":
+        port = free_port()
+        lighthouse = launch("lighthouse", _lighthouse_cmd(port, s))
+        extra = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+        groups = [
+            launch(f"replica{r}", _torchrun(s.procs, "E", arm_dir, s, replica=r), extra) for r in range(s.replicas)
+        ]
+        chaos = OutsideChaos(arm_dir, s, lambda replica: groups[replica], single_job=False)
+        return ArmPlan(key, arm_dir, [lighthouse, *groups], chaos, groups)
+    raise ValueError(f"arms: unknown arm '{key}'; allowed: {', '.join(LABELS)}")
+
+
+def _monarch_cmd(key: str, name: str, s, bench_dir: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "monarch_sky", "train", *job_overrides(s),
+           f"run_dir={bench_dir}", f"run_id={name}", f"ft.mode={'diloco' if key == 'A_diloco' else 'step'}"]
+    if key == "C":
+        cmd += [f"chaos.every_s={s.every_s}", f"chaos.kinds=[{','.join(s.kinds)}]", f"chaos.seed={s.seed}"]
+    return cmd
+
+
+def _torchrun(nproc: int, key: str, arm_dir: Path, s, replica: int | None = None) -> list[str]:
+    arm = {"B": "alone", "D": "ckpt", "E": "torchft"}[key]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if key != "B":
+        cmd.append(f"--max-restarts={s.max_restarts}")
+    cmd += ["-m", "monarch_sky.bench.titan_arm", "--arm", arm, "--out", str(arm_dir)]
+    if key != "B":  # E heals from peers: no checkpoints, as in monarch-sky
+        cmd += ["--ckpt-interval", str(s.ckpt_interval if key == "D" else 0)]
+    if replica is not None:
+        cmd += ["--replica", str(replica)]
+    return [*cmd, "--", *job_overrides(s)]
+
+
+def _lighthouse_cmd(port: int, s) -> list[str]:
+    lighthouse = Path(sys.executable).parent / "torchft_lighthouse"
+    # The same lighthouse settings monarch-sky's controller uses (monarch_sky.config FTSettings).
+    return [str(lighthouse), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
+            "--join_timeout_ms", "10000", "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "1000"]

@@ -1,0 +1,275 @@
+"""Benchmark arms without Monarch: monarch-sky's model, data and recipe in TorchTitan's own loop.
+
+The config is built as a monarch-sky replica builds it (same platform preparation, the
+recipe's `build_trainer`), changed per arm, and run with `trainer.train()`:
+
+alone (B)    plain `torchtitan.trainer.Trainer`, no TorchFT, no checkpoints: HSDP over all
+             replicas*procs_per_replica ranks (replicate=replicas, shard=procs_per_replica).
+               torchrun --standalone --nproc_per_node=R*P -m monarch_sky.bench.titan_arm \
+                   --arm alone --out DIR -- replicas=R procs_per_replica=P steps=N ...
+ckpt (D)     alone plus TorchTitan's periodic async DCP checkpoints (--ckpt-interval) in
+             DIR/torchtitan/checkpoint, resumed from on start. Under
+             `TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --max-restarts=K ... --arm ckpt`
+             a dead rank makes torchrun restart all workers, which resume from the last one.
+torchft (E)  TorchTitan's FaultTolerantTrainer + TorchFT, one torchrun per replica group; its
+             TorchFT checkpoint manager lets a restarted group heal live from a peer group.
+               torchft_lighthouse --bind 127.0.0.1:29510 --min_replicas 1 --join_timeout_ms 10000 &
+               TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
+                   torchrun --standalone --nproc_per_node=P --max-restarts=K \
+                   -m monarch_sky.bench.titan_arm --arm torchft --replica I --out DIR -- ...
+             ft.mode=step only (DiLoCo commits only at syncs: no per-step decision to record).
+
+Each process writes DIR/pids/replica{R}-rank{K}.pid at start (for a fault injector); each
+group's rank 0 (alone/ckpt: global rank 0, replica -1) appends one JSON line per iteration to
+DIR/steps.jsonl: wall, replica, step, committed, seconds, loss, participants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ARMS = ("alone", "ckpt", "torchft")
+
+
+def parse_args(argv: list[str] | None = None):
+    p = argparse.ArgumentParser(
+        prog="torchrun ... -m monarch_sky.bench.titan_arm",
+        description="Train monarch-sky's recipe with TorchTitan alone, with checkpoints, or with TorchFT.",
+    )
+    p.add_argument("--arm", required=True, choices=ARMS)
+    p.add_argument("--out", required=True, type=Path, help="folder for pids/, steps.jsonl, torchtitan/")
+    p.add_argument("--replica", type=int, help="torchft: this torchrun's replica group index")
+    p.add_argument("--ckpt-interval", type=int, default=20,
+                   help="ckpt, torchft: steps between checkpoints (torchft: 0 = none, heal from peers only)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="monarch-sky job overrides (after --)")
+    args = p.parse_args(argv)
+    from monarch_sky.config import load_job
+    from monarch_sky.validation import ConfigError
+
+    try:
+        cfg = load_job([*args.overrides, "faults=none"]).config
+    except ConfigError as e:
+        p.error(str(e))
+    if problem := _problem(args, cfg):
+        p.error(problem)
+    return args, cfg
+
+
+def _problem(args, cfg) -> str | None:
+    env, ft = os.environ, args.arm == "torchft"
+    want = cfg.procs_per_replica if ft else cfg.replicas * cfg.procs_per_replica
+    if "RANK" not in env:
+        return "run me under torchrun (no RANK in the environment)"
+    if int(env["WORLD_SIZE"]) != want:
+        return f"--arm {args.arm} needs --nproc_per_node={want} for this job, torchrun started {env['WORLD_SIZE']}"
+    if ft != (args.replica is not None):
+        return "--replica is required with --arm torchft, and only allowed there"
+    if ft and not 0 <= args.replica < cfg.replicas:
+        return f"--replica {args.replica}: must be in [0, {cfg.replicas})"
+    if ft and not env.get("TORCHFT_LIGHTHOUSE"):
+        return "--arm torchft needs TORCHFT_LIGHTHOUSE=http://HOST:PORT of a running torchft_lighthouse"
+    if ft and cfg.ft.mode != "step":
+        return f"--arm torchft supports ft.mode=step only, not {cfg.ft.mode}"
+    if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # torch 2.13's torchrun keeps one rendezvous TCPStore across restarts and workers' keys
+        # carry no attempt prefix: restarted gloo ranks (and TorchFT's manager clients) read the
+        # dead workers' addresses and never connect.
+        return "--max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment"
+    if args.ckpt_interval < 0 or (args.arm == "ckpt" and args.ckpt_interval == 0):
+        return f"--ckpt-interval {args.ckpt_interval}: must be at least 1 (torchft: 0 = no checkpoints)"
+    return None
+
+
+def write_pid(out: Path, replica: int, rank: int) -> None:
+    path = out / "pids" / f"replica{replica}-rank{rank}.pid"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, path)  # an injector never reads a half-written file
+
+
+def prepare_process(cfg):
+    """What a monarch-sky replica process gets (context.proc_env, replica.warm, GroupTrainer),
+    plus two shims Trainer.train needs and monarch-sky never reaches: after step 1 it calls
+    `set_pg_timeouts`, which calls `torch.distributed.set_timeout` (absent from torch 2.13:
+    it has `_set_pg_timeout`) after `barrier(device_ids=[current_device()])`, which rejects
+    the CPU device module's answer "cpu"."""
+    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    os.environ["TORCHFT_QUORUM_TIMEOUT_SEC"] = str(cfg.ft.quorum_timeout_s)
+    os.environ.setdefault("RUST_LOG", "warn")
+    from monarch_sky import platform as platform_mod
+    from monarch_sky.trainer import import_torchtitan
+
+    platform_mod.advertise_host()
+    plat = import_torchtitan()
+    import torch
+    from torch.distributed import distributed_c10d
+    from torchtitan.tools import utils
+
+    if not hasattr(torch.distributed, "set_timeout"):
+        torch.distributed.set_timeout = distributed_c10d._set_pg_timeout
+    if plat.is_cpu:
+        os.environ.update(platform_mod.cpu_thread_env())
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+        utils.device_module.current_device = lambda: 0
+    return plat
+
+
+def arm_config(args, cfg, plat):
+    from monarch_sky.recipes import RECIPES, TrainerSpec
+
+    spec = TrainerSpec.from_job(cfg, args.replica or 0, str(args.out / "torchtitan"), plat.kind)
+    config = RECIPES[cfg.recipe].build_trainer(spec)  # a FaultTolerantTrainer.Config
+    if args.arm == "torchft":
+        # The recipe's FT settings as they are (replica_id, group_size=replicas, gloo on CPU,
+        # timeouts, min replicas). Enabling TorchTitan's TorchFT checkpoint manager is what
+        # registers model, optimizer, scheduler and step with TorchFT for live healing.
+        from torchtitan.experiments.torchft.checkpoint import TorchFTCheckpointManager
+
+        config.checkpoint = _checkpoint(TorchFTCheckpointManager.Config, args.ckpt_interval)
+        return config
+    return _plain_config(config, cfg, args.ckpt_interval if args.arm == "ckpt" else 0)
+
+
+def _recast(cls, config):
+    """`config` as an instance of its base class `cls` (the fields `cls` has)."""
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls) if f.init})
+
+
+def _checkpoint(cls, interval: int):
+    # Async (a thread writes the DCP files, over a gloo group) works on CPU and is TorchTitan's
+    # pick for cheap periodic saves; "async_with_pinned_mem" needs CUDA. The last step's save is
+    # full too (as in TorchTitan's TorchFT config): a worker restarted after a model-only one
+    # fails to resume from it, on every restart.
+    return cls(enable=True, interval=interval or 10**9, async_mode="async", last_save_model_only=False)
+
+
+def _plain_config(config, cfg, interval: int):
+    """TorchTitan's plain Trainer: no fault_tolerance section at all (FT off). Not the
+    FaultTolerantTrainer with FT disabled: its TorchFT optimizer container needs a live
+    manager, and its __init__ is an older copy of Trainer's (no spmd backend switch, no
+    dataloader snapshots for checkpoint resumption)."""
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import OptimizersContainer
+    from torchtitan.trainer import Trainer
+
+    plain = _recast(Trainer.Config, config)
+    plain.optimizer = _recast(OptimizersContainer.Config, config.optimizer)
+    plain.parallelism = dataclasses.replace(config.parallelism, data_parallel_replicate_degree=cfg.replicas,
+                                            data_parallel_shard_degree=cfg.procs_per_replica)
+    plain.checkpoint = _checkpoint(CheckpointManager.Config, interval) if interval else CheckpointManager.Config()
+    return plain
+
+
+class StepLog:
+    """Wraps the trainer's per-step calls; rank 0 of the group appends one line per iteration.
+
+    Iteration: from `train_step` to the end of the `checkpointer.save` after it, so saving
+    counts. Loss: the step's forward losses summed over the group's loss mesh, as TorchTitan
+    logs it (its own per-step logging is off in the recipe). Committed: what TorchFT's
+    `should_commit` returned to its optimizer wrapper.
+    """
+
+    def __init__(self, trainer, path: Path, replica: int, record: bool, replicas: int):
+        import torch
+
+        self.trainer, self.replica, self.replicas = trainer, replica, replicas
+        self.file = open(path, "a", buffering=1) if record else None
+        ft = getattr(trainer, "ft_manager", None)
+        self.manager = ft.manager if ft is not None and ft.enabled else None
+        mesh = trainer.parallel_dims.get_optional_mesh("loss")
+        self.loss_group = mesh.get_group() if mesh is not None else None
+        self.loss = torch.zeros((), device=trainer.device)
+        self.start, self.decision = 0.0, True
+        self._wrap(trainer)
+
+    def _wrap(self, trainer) -> None:
+        fwd_bwd, train_step, save = trainer.forward_backward_step, trainer.train_step, trainer.checkpointer.save
+
+        def forward_backward_step(**kwargs):
+            loss = fwd_bwd(**kwargs)
+            self.loss += loss.detach()
+            return loss
+
+        def step(data_iterator):
+            self.start, self.decision, before = time.perf_counter(), self.manager is None, trainer.step
+            self.loss.zero_()
+            train_step(data_iterator)
+            if trainer.step != before:  # TorchFT loaded a peer's train state
+                print(f"[titan_arm] replica {self.replica}: healed from a peer, step {before} -> {trainer.step}",
+                      flush=True)
+
+        def checkpoint_save(curr_step, last_step=False):
+            saved = save(curr_step, last_step=last_step)
+            self._record(curr_step)
+            return saved
+
+        trainer.forward_backward_step, trainer.train_step = forward_backward_step, step
+        trainer.checkpointer.save = checkpoint_save
+        if self.manager is not None:
+            decide = self.manager.should_commit
+
+            def should_commit(*args, **kwargs) -> bool:
+                self.decision = decide(*args, **kwargs)
+                return self.decision
+
+            self.manager.should_commit = should_commit
+
+    def _record(self, step: int) -> None:
+        import torch
+
+        if self.loss_group is not None:
+            torch.distributed.all_reduce(self.loss, group=self.loss_group)
+        if self.file is None:
+            return
+        participants = self.manager.num_participants() if self.manager is not None else self.replicas
+        line = {"wall": time.time(), "replica": self.replica, "step": int(step),
+                "committed": bool(self.decision), "seconds": time.perf_counter() - self.start,
+                "loss": float(self.loss.item()), "participants": participants}
+        self.file.write(json.dumps(line) + "\n")
+        self.file.flush()
+
+
+def check_layout(trainer, replica: int) -> None:
+    """alone/ckpt: the pid file's replica (rank // procs_per_replica) is the rank's HSDP replica."""
+    mesh = trainer.parallel_dims.get_optional_mesh("dp_replicate")
+    actual = mesh.get_local_rank() if mesh is not None else 0
+    if actual != replica:
+        raise RuntimeError(f"rank {os.environ['RANK']} is in HSDP replica {actual}, not {replica}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, cfg = parse_args(argv)
+    rank, ft = int(os.environ["RANK"]), args.arm == "torchft"
+    replica = args.replica if ft else rank // cfg.procs_per_replica  # replicate is the outer mesh dim
+    write_pid(args.out, replica, rank if ft else rank % cfg.procs_per_replica)
+    plat = prepare_process(cfg)
+    import torch
+    from torchtitan.tools.logging import init_logger
+
+    from monarch_sky.trainer import _force_sum_reduction
+
+    init_logger()
+    trainer = arm_config(args, cfg, plat).build()
+    try:
+        if plat.backend == "gloo":
+            _force_sum_reduction(trainer.model_parts)  # the replicas' CPU shim: gloo has no PREMUL_SUM
+        if not ft:
+            check_layout(trainer, replica)
+        StepLog(trainer, args.out / "steps.jsonl", replica if ft else -1, rank == 0, cfg.replicas)
+        trainer.train()
+    finally:
+        trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
