@@ -21,6 +21,7 @@ from monarch_sky.bench import metrics
 from monarch_sky.bench.outside_chaos import KINDS
 
 REPO = Path(__file__).resolve().parents[2]
+PROGRESS_EVERY_S = 30.0
 RATIOS = {  # name -> (arm, arm, field): the first arm's field over the second's
     "goodput C/D": ("C", "D", "goodput"),
     "goodput C/E": ("C", "E", "goodput"),
@@ -44,7 +45,7 @@ class BenchSettings:
     max_restarts: int = 20
     arms: list[str] = field(default_factory=lambda: ["A_step", "B", "C", "D", "E", "A_diloco"])
     rounds: int = 1
-    arm_timeout_s: float = 600.0
+    arm_timeout_s: float = 540.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -109,12 +110,16 @@ def run_arm(key: str, name: str, s: BenchSettings, bench_dir: Path) -> dict:
     for launch in plan.launches:
         launch.start()
     deadline = time.monotonic() + s.arm_timeout_s
+    next_report = time.monotonic() + PROGRESS_EVERY_S
     try:
         while any(w.exit_code() is None for w in plan.workers) and time.monotonic() < deadline:
             for launch in plan.launches:
                 launch.tick()
             if plan.chaos is not None:
                 plan.chaos.tick()
+            if time.monotonic() >= next_report:
+                next_report += PROGRESS_EVERY_S
+                print(f"[bench]   {_progress(plan, s, started)}", flush=True)
             time.sleep(0.25)
     finally:
         ended = time.time()
@@ -175,6 +180,13 @@ def _median_of(runs: list[dict]) -> dict:
             merged[fld] = round(statistics.median(values), 4)
     merged["rounds"] = runs
     return merged
+
+
+def _progress(plan, s: BenchSettings, started: float) -> str:
+    lines = metrics.read_jsonl(plan.dir / "steps.jsonl")
+    step = max(metrics.first_commits(lines), default=0)
+    faults = f", {len(plan.chaos.faults)} faults injected" if plan.chaos is not None else ""
+    return f"{plan.key}: step {step}/{s.steps} after {time.time() - started:.0f}s{faults}"
 
 
 def _one_line(r: dict) -> str:
