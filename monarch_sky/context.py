@@ -50,18 +50,12 @@ class RunContext:
         return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), self.platform.kind)
 
     def proc_env(self, host: Host) -> dict[str, str]:
-        env = {
+        return {
             "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
             platform_mod.ADVERTISE_ENV: host.ip,
-            "HF_HUB_OFFLINE": "1",
-            "HF_DATASETS_OFFLINE": "1",
-            "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
             "PYTHONUNBUFFERED": "1",
-            "TORCHFT_QUORUM_TIMEOUT_SEC": str(self.cfg.ft.quorum_timeout_s),
+            **trainer_env(self.cfg, self.platform),
         }
-        if self.platform.is_cpu:
-            env.update(platform_mod.cpu_thread_env())
-        return env
 
     async def provider_call(self, fn: Callable[..., Any], *args: Any, what: str) -> None:
         """A provider call whose failure is recorded and shown, never swallowed."""
@@ -83,6 +77,19 @@ class RunContext:
         self.background.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self.record.event("background_error", error=f"{type(task.exception()).__name__}: {task.exception()}")
+
+
+def trainer_env(cfg, platform) -> dict[str, str]:
+    """What every trainer process of a job needs in its environment (the bench's arms too)."""
+    env = {
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+        "TORCHFT_QUORUM_TIMEOUT_SEC": str(cfg.ft.quorum_timeout_s),
+    }
+    if platform.is_cpu:
+        env.update(platform_mod.cpu_thread_env())
+    return env
 
 
 async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:

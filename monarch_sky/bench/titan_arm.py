@@ -100,12 +100,11 @@ def prepare_process(cfg):
     `set_pg_timeouts`, which calls `torch.distributed.set_timeout` (absent from torch 2.13:
     it has `_set_pg_timeout`) after `barrier(device_ids=[current_device()])`, which rejects
     the CPU device module's answer "cpu"."""
-    os.environ.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    os.environ["TORCHFT_QUORUM_TIMEOUT_SEC"] = str(cfg.ft.quorum_timeout_s)
-    os.environ.setdefault("RUST_LOG", "warn")
     from monarch_sky import platform as platform_mod
+    from monarch_sky.context import trainer_env
     from monarch_sky.trainer import import_torchtitan
 
+    os.environ.update(trainer_env(cfg, platform_mod.detect()))
     platform_mod.advertise_host()
     plat = import_torchtitan()
     import torch
@@ -115,7 +114,6 @@ def prepare_process(cfg):
     if not hasattr(torch.distributed, "set_timeout"):
         torch.distributed.set_timeout = distributed_c10d._set_pg_timeout
     if plat.is_cpu:
-        os.environ.update(platform_mod.cpu_thread_env())
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
         utils.device_module.current_device = lambda: 0
     return plat
