@@ -45,7 +45,8 @@ class FTSettings:
     sync_steps: int = 10  # diloco: steps between syncs
     min_replicas: int = 1  # fewest replica groups a step may commit with
     process_group_timeout_ms: int = 5000  # a collective with a dead peer fails after this
-    heartbeat_timeout_ms: int = 1000  # lighthouse drops a silent replica after this
+    # The lighthouse drops a silent group after this; TorchFT's managers beat every 100 ms.
+    heartbeat_timeout_ms: int = 300
     quorum_tick_ms: int = 100
     join_timeout_ms: int = 10000
     quorum_timeout_s: int = 60  # a group waiting this long for a TorchFT quorum fails its step

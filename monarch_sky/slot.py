@@ -51,6 +51,7 @@ class Slot:
         self.data_states: tuple = ()  # per rank: where the group's kept training left its data
         self.in_flight_since: float | None = None  # when the step call now running was issued
         self.last_failure: str | None = None  # why the last recovery attempt failed
+        self.last_commit_issued = 0.0  # when the last step this slot committed across groups was issued
 
     @property
     def host(self) -> Host:
@@ -166,6 +167,7 @@ class Slot:
             ctx.display.line(f"[replica {self.index}] recovered in place from the {rec.fault.kind}, "
                              f"{rec.seconds(now):.2f}s after it (TorchFT reconfigured, no respawn)")
         if r.synced:
+            self.last_commit_issued = issued
             if self.state is SlotState.REJOINING:
                 self._rejoined(r, now)
             ctx.injector.survivor_committed(r, issued, ctx.cfg.replicas, now)
@@ -220,7 +222,7 @@ class Slot:
         self.ctx.display.line(f"[replica {self.index}] failed{tag}: {reason}")
 
     async def recover(self, reason: str) -> None:
-        group = self.group
+        group, failed_at = self.group, time.monotonic()
         self.on_failure(group, reason, time.monotonic())  # the step call may have been first
         self.state, self.group = SlotState.RECOVERING, None
         host_alive = await self._end_generation(group)
@@ -228,7 +230,7 @@ class Slot:
             return
         while True:
             try:
-                await self._come_back(host_alive)
+                await self._come_back(host_alive, failed_at)
                 return
             except Exception as e:  # never let one slot's recovery end the run
                 self.last_failure = describe_error(e)
@@ -252,11 +254,12 @@ class Slot:
             await self._fence(self.host)
         return host_alive
 
-    async def _come_back(self, host_alive: bool) -> None:
+    async def _come_back(self, host_alive: bool, failed_at: float) -> None:
         if not host_alive:  # raises HostError (a restart of this slot) if no host comes
             await self.gens.move_to_new_host()
             self.agent = None
             self.ctx.in_background(self.start_agent())
+        await rejoin.wait_for_survivors_commit(self.ctx, self, failed_at)
         if not await self.activate(rejoining=True):
             return
         if self.ctx.finishing:

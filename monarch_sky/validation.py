@@ -62,6 +62,7 @@ BOUNDS = (
     (MORE_THAN_ZERO, "> 0", lambda v: v > 0),
     (AT_LEAST_ZERO, ">= 0", lambda v: v >= 0),
 )
+MIN_HEARTBEAT_TIMEOUT_MS = 200  # two of TorchFT's 100 ms heartbeat intervals
 RUN_ID = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}")  # a plain file name: no '/', no '..'
 
 
@@ -90,6 +91,11 @@ def validate(config: DictConfig) -> None:
         raise ConfigError(
             f"ft.quorum_timeout_s: {config.ft.quorum_timeout_s} must be below timeouts.step_s="
             f"{config.timeouts.step_s:g}, so TorchFT gives up on a quorum before the controller gives up on the step"
+        )
+    if config.ft.heartbeat_timeout_ms < MIN_HEARTBEAT_TIMEOUT_MS:
+        raise ConfigError(
+            f"ft.heartbeat_timeout_ms: {config.ft.heartbeat_timeout_ms} is too short; TorchFT's managers "
+            f"heartbeat every 100 ms, so use at least {MIN_HEARTBEAT_TIMEOUT_MS}"
         )
     if config.ft.min_replicas > config.replicas:
         raise ConfigError(

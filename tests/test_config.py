@@ -42,6 +42,7 @@ BAD = [
     (["replicas=1", "chaos.every_s=5"], ["chaos.every_s", "nobody to heal from"]),
     (["chaos.every_s=5", "chaos.kinds=[]"], ["chaos.kinds", "empty"]),
     (["timeouts.hang_s=0"], ["timeouts.hang_s", "> 0"]),
+    (["ft.heartbeat_timeout_ms=150"], ["ft.heartbeat_timeout_ms", "at least 200"]),
     (["faults=hang@5:1,stop@6:0,comms@7:2,teleport@8:1"], ["faults", "teleport", "hang", "stop", "comms"]),
     *[([f"{key}={value}"], [key, "> 0"]) for key, value in [
         ("timeouts.spawn_s", 0), ("timeouts.step_s", 0), ("timeouts.stop_s", -1),

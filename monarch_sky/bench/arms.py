@@ -20,6 +20,7 @@ from pathlib import Path
 
 from monarch_sky.bench.launch import Launch, free_port
 from monarch_sky.bench.outside_chaos import OutsideChaos
+from monarch_sky.config import FTSettings
 
 LABELS = {
     "A_step": "A: monarch-sky, no faults (step)",
@@ -103,6 +104,7 @@ def _torchrun(nproc: int, key: str, arm_dir: Path, s, replica: int | None = None
 
 def _lighthouse_cmd(port: int, s) -> list[str]:
     lighthouse = Path(sys.executable).parent / "torchft_lighthouse"
-    # The same lighthouse settings monarch-sky's controller uses (monarch_sky.config FTSettings).
-    return [str(lighthouse), "--bind", f"127.0.0.1:{port}", "--min_replicas", "1",
-            "--join_timeout_ms", "10000", "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "1000"]
+    ft = FTSettings()  # the lighthouse settings monarch-sky's controller uses by default
+    return [str(lighthouse), "--bind", f"127.0.0.1:{port}", "--min_replicas", str(ft.min_replicas),
+            "--join_timeout_ms", str(ft.join_timeout_ms), "--quorum_tick_ms", str(ft.quorum_tick_ms),
+            "--heartbeat_timeout_ms", str(ft.heartbeat_timeout_ms)]
