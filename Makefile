@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 
 $(SKY_STAMP):
 	$(PYTHON) -m venv $(SKY_VENV)
-	$(SKY_VENV)/bin/python -m pip install --quiet skypilot==0.14.1
+	$(SKY_VENV)/bin/python -m pip install --quiet 'skypilot[kubernetes]==0.14.1'
 	touch $(SKY_STAMP)
 
 train: $(STAMP)

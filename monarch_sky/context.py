@@ -26,11 +26,12 @@ class RunContext:
     record: Any  # RunRecord
     tracker: Any  # Tracker
     display: Any  # Display
-    platform: platform_mod.Platform
+    platform: platform_mod.Platform  # the controller's own host
     injector: Any = None  # FaultInjector
     ledger: Any = None  # StepLedger
     router: Any = None  # supervision.FailureRouter
     lighthouse_address: str = ""
+    replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")
     groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
     slots: list[Any] = field(default_factory=list)  # one Slot per replica group
     lost: list[dict[str, Any]] = field(default_factory=list)
@@ -47,14 +48,24 @@ class RunContext:
         return str(self.record.path / "torchtitan" / f"replica_{index}")
 
     def spec(self, index: int) -> TrainerSpec:
-        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), self.platform.kind)
+        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index))  # platform: the host's own
+
+    def refuse_platform(self, platform: str) -> str | None:
+        """Why a group on `platform` may not train, or None. Every group must have the same
+        accelerators (TorchFT's cross-group collectives and FSDP's shard shapes must match):
+        the first group to start sets them."""
+        if not self.replica_platform:
+            self.replica_platform = platform
+        elif platform != self.replica_platform:
+            return f"its host has {platform}, the other groups {self.replica_platform}; every group needs the same accelerators"
+        return None
 
     def proc_env(self, host: Host) -> dict[str, str]:
         return {
             "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
             platform_mod.ADVERTISE_ENV: host.ip,
             "PYTHONUNBUFFERED": "1",
-            **trainer_env(self.cfg, self.platform),
+            **trainer_env(self.cfg),  # the trainer sets its CPU threads itself (platform.limit_cpu_threads)
         }
 
     async def provider_call(self, fn: Callable[..., Any], *args: Any, what: str) -> None:
@@ -79,15 +90,16 @@ class RunContext:
             self.record.event("background_error", error=f"{type(task.exception()).__name__}: {task.exception()}")
 
 
-def trainer_env(cfg, platform) -> dict[str, str]:
-    """What every trainer process of a job needs in its environment (the bench's arms too)."""
+def trainer_env(cfg, platform=None) -> dict[str, str]:
+    """What every trainer process of a job needs in its environment (the bench's arms too,
+    which also pass their local `platform` for its CPU thread policy)."""
     env = {
         "HF_HUB_OFFLINE": "1",
         "HF_DATASETS_OFFLINE": "1",
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         "TORCHFT_QUORUM_TIMEOUT_SEC": str(cfg.ft.quorum_timeout_s),
     }
-    if platform.is_cpu:
+    if platform is not None and platform.is_cpu:
         env.update(platform_mod.cpu_thread_env())
     return env
 

@@ -143,3 +143,15 @@ def yield_cpu_to_recovery(kind: str) -> None:
 def cpu_thread_env() -> dict[str, str]:
     """Environment for trainer processes: one math thread each, since several share a host."""
     return {"OMP_NUM_THREADS": os.environ.get("MONARCH_SKY_OMP_THREADS", "1")}
+
+
+def limit_cpu_threads(platform: Platform) -> None:
+    """Apply `cpu_thread_env` from inside a trainer process, once it knows its own platform
+    (the controller's host may be a CPU node while the trainers' hosts have GPUs)."""
+    if not platform.is_cpu:
+        return
+    import torch
+
+    threads = cpu_thread_env()["OMP_NUM_THREADS"]
+    os.environ["OMP_NUM_THREADS"] = threads
+    torch.set_num_threads(int(threads))

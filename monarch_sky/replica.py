@@ -54,8 +54,12 @@ class ReplicaActor(Actor):
         rank = int(os.environ["RANK"])  # set by the group's SPMD setup
         data_state = data_states[rank] if data_states else None
         self.trainer = GroupTrainer(self.spec, rejoining, data_state)
-        platform_mod.yield_cpu_to_recovery(self.spec.platform_kind)
-        return {"pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start}
+        plat = self.trainer.platform
+        platform_mod.yield_cpu_to_recovery(plat.kind)
+        return {
+            "pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start,
+            "platform": f"{plat.kind} x{plat.device_count}" if plat.device_count else plat.kind,
+        }
 
     @endpoint
     def step(self) -> StepResult:

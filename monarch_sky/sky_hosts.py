@@ -1,13 +1,18 @@
 """`SkyPilotHosts`: fixed node addresses, plus replacement nodes launched through SkyPilot.
 
 A replacement is a new one-node cluster launched with the `sky` CLI from the recipe YAML
-the cluster came from (worker role only), torn down when the run ends. SkyPilot lives in
-its own venv (its click pin conflicts with wandb's), hence the CLI rather than its API.
-Every `sky` call is bounded, and a run that shuts down ends a launch in flight.
+the cluster came from (worker role only), on the same infra and region as this cluster
+(SkyPilot's SKYPILOT_CLUSTER_INFO), torn down when the run ends. Its address is what
+`sky status --ip` prints: on Kubernetes the head pod's internal IP, on Slurm the node's
+address; recipes target no other infra. SkyPilot lives in its own venv (its click pin
+conflicts with wandb's), hence the CLI rather than its API. Every `sky` call is bounded,
+and a run that shuts down ends a launch in flight.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import time
 
@@ -29,6 +34,7 @@ class SkyPilotHosts(AddressListHosts):
         wait_s: float = 1800.0,
     ):
         super().__init__(addresses, controller_ip, wait_s=wait_s)
+        self.cluster_info = this_cluster()
         self.recipe_yaml = recipe_yaml
         self.cluster_prefix = cluster_prefix
         self.port = port
@@ -41,7 +47,7 @@ class SkyPilotHosts(AddressListHosts):
         import yaml
 
         cluster = f"{self.cluster_prefix}-r{len(self.launched)}"
-        config = replacement_task(load_recipe(self.recipe_yaml), cluster, self.port)
+        config = replacement_task(load_recipe(self.recipe_yaml), cluster, self.port, self.cluster_info)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(config, f)
         self.launched.append(cluster)
@@ -90,6 +96,17 @@ class SkyPilotHosts(AddressListHosts):
             return out.read()
 
 
+def sky_cli_problem(sky: str, timeout_s: float = 120.0) -> str | None:
+    """Why the `sky` CLI on this node cannot launch replacements, or None."""
+    try:
+        proc = subprocess.run([sky, "api", "info"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`{sky} api info` failed: {e}"
+    if proc.returncode != 0:
+        return f"`{sky} api info` exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
+    return None
+
+
 def load_recipe(path: str) -> dict:
     import yaml
 
@@ -97,9 +114,43 @@ def load_recipe(path: str) -> dict:
         return yaml.safe_load(f)
 
 
-def replacement_task(recipe: dict, cluster: str, port: int) -> dict:
-    """A one-node task from a cluster recipe that only serves one replica group's worker."""
+CLUSTER_INFO_ENV = "SKYPILOT_CLUSTER_INFO"  # {"cluster_name", "cloud", "region", "zone"}
+INFRA_ALIASES = {"k8s": "kubernetes"}
+
+
+def this_cluster() -> dict:
+    """Where the cluster this controller runs in was launched, as SkyPilot tells its tasks."""
+    try:
+        info = json.loads(os.environ.get(CLUSTER_INFO_ENV) or "{}")
+    except json.JSONDecodeError:
+        info = {}
+    if not info.get("cloud"):
+        raise HostError(
+            f"{CLUSTER_INFO_ENV} is not set: replacement nodes are launched on this cluster's infra "
+            "and region, so the controller must run inside a SkyPilot task"
+        )
+    return info
+
+
+def pinned_resources(resources: dict, info: dict) -> dict:
+    """The recipe's resources for the infra and region in `info`: the matching `any_of`
+    candidate (if any) merged in, and `infra` pinned, so a replacement cannot land elsewhere."""
+    cloud = info["cloud"].lower()
+    pinned = {k: v for k, v in resources.items() if k != "any_of"}
+    for candidate in resources.get("any_of") or []:
+        name = str(candidate.get("infra", "")).split("/")[0].lower()
+        if INFRA_ALIASES.get(name, name) == cloud:
+            pinned.update({k: v for k, v in candidate.items() if k != "infra"})
+            break
+    pinned["infra"] = "/".join(str(p) for p in (cloud, info.get("region"), info.get("zone")) if p)
+    return pinned
+
+
+def replacement_task(recipe: dict, cluster: str, port: int, info: dict | None = None) -> dict:
+    """A one-node task from a cluster recipe that only serves one replica group's worker,
+    on the infra and region of this cluster (`info`, default `this_cluster()`)."""
     task = {k: v for k, v in recipe.items() if k not in ("secrets", "num_nodes", "name")}
+    task["resources"] = pinned_resources(recipe.get("resources") or {}, info or this_cluster())
     task["name"] = cluster
     task["num_nodes"] = 1
     task["envs"] = {

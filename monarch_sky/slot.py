@@ -79,6 +79,11 @@ class Slot:
                 if not self.may_restart(f"could not start: {reason}"):
                     return False
                 continue
+            refused = self.ctx.refuse_platform(info["platform"])
+            if refused:  # the host will not change: no restarts
+                await self.gens.discard(group)
+                self.lose(refused)
+                return False
             self.group = group
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,

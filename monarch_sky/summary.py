@@ -24,7 +24,7 @@ def build_summary(
         "replicas": cfg.replicas,
         "procs_per_replica": cfg.procs_per_replica,
         "ft_mode": cfg.ft.mode,
-        "platform": ctx.platform.kind,
+        "platform": ctx.replica_platform or ctx.platform.kind,  # the trainers' hosts, e.g. "rocm x8"
         "target_steps": cfg.steps,
         "committed_steps": ctx.ledger.run_step,
         "checkpoints_written": sum(len(checkpoint_files(ctx.dump_folder(i))) for i in range(cfg.replicas)),

@@ -32,6 +32,7 @@ ACTIVE: "GroupTrainer | None" = None  # this process's trainer, for fault inject
 def import_torchtitan():
     """Import what a trainer needs (seconds of CPU: a warm standby does it in advance)."""
     plat = platform_mod.detect()
+    platform_mod.limit_cpu_threads(plat)
     platform_mod.prepare_torchtitan(plat)
     import torchtitan.experiments.torchft.trainer  # noqa: F401
     import torchtitan.hf_datasets.text_datasets  # noqa: F401
@@ -44,8 +45,9 @@ REJOIN_KEY = "monarch_sky_rejoin"
 
 class GroupTrainer:
     def __init__(self, spec: TrainerSpec, rejoining: bool = False, data_state: dict | None = None):
-        self.spec = spec
         plat = import_torchtitan()
+        self.spec = spec = spec.on_host(plat.kind)  # bf16, activation checkpoints, nccl on GPUs
+        self.platform = plat
         self._healed = False  # some step of this generation loaded state from a peer
         self._healed_now = False
         # A group that joins a running job holds fresh weights until its first commit.

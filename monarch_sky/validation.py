@@ -121,8 +121,8 @@ def _validate_hosts(config: DictConfig) -> None:
         return
     if not hosts.controller_ip:
         raise ConfigError(f"hosts.controller_ip: required with hosts.provider={hosts.provider} (this node's IP)")
-    if hosts.provider == "skypilot" and not (hosts.recipe_yaml and os.path.isfile(hosts.recipe_yaml)):
-        raise ConfigError(f"hosts.recipe_yaml: '{hosts.recipe_yaml}' is not a file; replacements launch from it")
+    if hosts.provider == "skypilot":
+        _validate_sky_replacements(hosts)
     if len(hosts.addresses) < config.replicas:
         raise ConfigError(
             f"hosts.addresses: {len(hosts.addresses)} given, but replicas={config.replicas} "
@@ -133,6 +133,25 @@ def _validate_hosts(config: DictConfig) -> None:
             parse_address(address, name="check")
         except HostError as e:
             raise ConfigError(f"hosts.addresses: {e}") from None
+
+
+def _validate_sky_replacements(hosts: DictConfig) -> None:
+    from monarch_sky.hosts import HostError
+    from monarch_sky.sky_hosts import sky_cli_problem, this_cluster
+
+    if not (hosts.recipe_yaml and os.path.isfile(hosts.recipe_yaml)):
+        raise ConfigError(f"hosts.recipe_yaml: '{hosts.recipe_yaml}' is not a file; replacements launch from it")
+    try:
+        this_cluster()
+    except HostError as e:
+        raise ConfigError(f"hosts.provider=skypilot: {e}") from None
+    problem = sky_cli_problem(hosts.sky_cli)
+    if problem:
+        raise ConfigError(
+            f"hosts.sky_cli: {problem}. Replacements need SkyPilot on this node, logged in to your "
+            "API server: install skypilot[kubernetes]==0.14.1 in its own venv, `sky api login -e URL`, "
+            "and set hosts.sky_cli to its `sky`; or run with HOST_REPLACEMENT=none"
+        )
 
 
 def validate_faults(config: DictConfig, faults: list[Fault]) -> None:

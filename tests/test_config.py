@@ -37,6 +37,8 @@ BAD = [
      ["hosts.recipe_yaml"]),
     (["hosts.provider=addresses", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[a:1,b:1,c:1]",
       "faults=host@10:1"], ["faults", "hosts.provider=local"]),
+    (["hosts.provider=skypilot", "hosts.controller_ip=10.0.0.1", "hosts.addresses=[a:1,b:1,c:1]",
+      "hosts.recipe_yaml=recipes/llama.yaml"], ["SKYPILOT_CLUSTER_INFO", "inside a SkyPilot task"]),
     (["chaos.every_s=5", "chaos.kinds=[kill,meteor]"], ["chaos.kinds", "meteor", "comms"]),
     (["chaos.every_s=-1"], ["chaos.every_s", ">= 0"]),
     (["replicas=1", "chaos.every_s=5"], ["chaos.every_s", "nobody to heal from"]),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,75 +17,127 @@ from conftest import REPO, Run, cli_env, leftovers, new_tag
 
 SKY_PYTHON = REPO / ".venv-sky" / "bin" / "python"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
-AMD = {"MI300X", "MI325X", "MI355X"}
+AMD = {"MI300X", "MI300", "MI325X", "MI355X"}  # as SkyPilot's own AMD docs and clusters label them
+# torch 2.13.0 (torchmonarch 0.7.0's ABI), Python 3.11-3.13 (its and torchft's wheels)
+PINNED_IMAGE = re.compile(r"docker:rocm/pytorch:rocm\d+\.\d+[.\d]*_ubuntu\d+\.\d+_py3\.1[123]_pytorch_release_2\.13\.0")
 
 
-@pytest.fixture(scope="module")
-def facts() -> dict:
+def sky_facts(*args: str) -> dict:
+    """What SkyPilot 0.14.1's own code decides (tests/sky_facts.py, run in SkyPilot's venv)."""
     assert SKY_PYTHON.exists(), "SkyPilot's venv is missing: run `make test`, which builds .venv-sky"
     proc = subprocess.run(
-        [str(SKY_PYTHON), str(REPO / "tests" / "sky_facts.py"), *map(str, RECIPES)],
-        capture_output=True, text=True, timeout=300, cwd=REPO,
+        [str(SKY_PYTHON), str(REPO / "tests" / "sky_facts.py"), *args],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def assert_amd_node_task(task: dict) -> None:
-    assert set(task["accelerators"]) <= AMD and "MI300X" in task["accelerators"]
-    assert task["accelerator_counts"] == [8]
-    assert any(img.startswith("docker:rocm/pytorch") for img in task["images"])
-    assert {"--device=/dev/kfd", "--device=/dev/dri", "--group-add=video"} <= set(task["docker_run_options"])
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return sky_facts(*map(str, RECIPES))
+
+
+def assert_amd_node(task: dict, memory_gb: int) -> None:
+    """Kubernetes (pinned ROCm image) or Slurm (setup.sh brings the stack), 8 AMD GPUs, the
+    CPUs and memory an 8-GPU trainer needs, and no disk_size (Kubernetes: ephemeral storage)."""
+    assert {c["cloud"] for c in task["candidates"]} == {"Kubernetes", "Slurm"}
+    assert {a for c in task["candidates"] for a in c["accelerators"]} == AMD
+    for c in task["candidates"]:
+        assert list(c["accelerators"].values()) == [8]
+        assert c["cpus"] == "64+" and c["memory"] == f"{memory_gb}+" and not c["disk_size_specified"]
+        if c["cloud"] == "Kubernetes":
+            assert PINNED_IMAGE.fullmatch(c["image"]), c["image"]
+        else:
+            assert c["image"] is None, "Slurm runs no container without Pyxis"
     assert task["inline_secrets"] == [], "no secret value may be written in a recipe"
     assert "sky/setup.sh" in task["setup"] and "sky/bootstrap.sh" in task["run"]
 
 
-@pytest.mark.parametrize("name,recipe", [("llama.yaml", "llama3_8b"), ("llama-70b.yaml", "llama3_70b")])
-def test_cluster_recipes_are_amd_rocm_and_call_the_bootstrap(facts, name, recipe):
+CLUSTER_RECIPES = [("llama.yaml", "llama3_8b", 512), ("llama-70b.yaml", "llama3_70b", 1024)]
+
+
+@pytest.mark.parametrize("name,recipe,memory_gb", CLUSTER_RECIPES)
+def test_cluster_recipes_ask_skypilot_for_amd_nodes_that_exist(facts, name, recipe, memory_gb):
     task = facts[name]
-    assert not task["job_group"]
-    assert_amd_node_task(task)
-    assert task["num_nodes"] == 2
-    assert {"Kubernetes", "OCI"} <= set(task["infras"])
-    assert task["envs"]["RECIPE"] == recipe
+    assert not task["job_group"] and task["num_nodes"] == 2
+    assert_amd_node(task, memory_gb)
+    assert task["envs"]["RECIPE"] == recipe and task["envs"]["RECIPE_YAML"] == f"recipes/{name}"
     assert task["secret_refs"] == ["WANDB_API_KEY"]
+
+
+@pytest.mark.parametrize("label", ["mi300x", "mi300", "mi325x", "mi355x"])
+@pytest.mark.parametrize("name,memory_gb", [("llama.yaml", 512), ("llama-70b.yaml", 1024)])
+def test_kubernetes_schedules_the_recipes_on_labelled_amd_nodes(label, name, memory_gb):
+    """SkyPilot's feasibility check and pod variables, on fake MI300X-class nodes with 400 GiB
+    of ephemeral storage (typical; a disk_size of 512 would make every candidate infeasible)."""
+    fits = [c for c in sky_facts("--k8s", f"recipes/{name}", label)["candidates"] if c["instance_types"]]
+    assert len(fits) == 1, fits
+    [fit] = fits
+    assert fit["label"] == ["skypilot.co/accelerator", [label]]
+    pod = fit["pod"]
+    assert (float(pod["cpus"]), float(pod["memory"])) == (64, memory_gb)
+    assert pod["accelerator_count"] == "8" and pod["k8s_resource_key"] == "amd.com/gpu"
+    assert pod["k8s_ephemeral_storage"] is None
+    assert PINNED_IMAGE.fullmatch("docker:" + pod["image_id"])
+
+
+def test_a_disk_size_makes_kubernetes_refuse_the_recipe(tmp_path):
+    """The control for the test above: what the recipes asked for before (disk_size: 512)."""
+    recipe = (REPO / "recipes" / "llama.yaml").read_text().replace("resources:\n", "resources:\n  disk_size: 512\n", 1)
+    (tmp_path / "disk.yaml").write_text(recipe)
+    fits = [c for c in sky_facts("--k8s", str(tmp_path / "disk.yaml"), "mi300x")["candidates"] if c["instance_types"]]
+    assert fits == []
+
+
+def test_slurm_gres_types_match_the_recipe_names():
+    gres = ["mi300x", "amd_mi300x", "MI300X", "mi300", "mi325x", "mi355x"]
+    matches = sky_facts("--slurm-names", *gres)
+    assert all(matches[g] for g in gres), matches
 
 
 def test_debug_recipe_runs_the_tiny_model_anywhere(facts):
     task = facts["debug.yaml"]
-    assert task["accelerators"] == [] and task["num_nodes"] == 2
+    assert [c["accelerators"] for c in task["candidates"]] == [{}] and task["num_nodes"] == 2
     assert task["envs"]["RECIPE"] == "llama3_tiny"
     assert "faults=kill@" in task["envs"]["MONARCH_SKY_ARGS"]
     assert "sky/bootstrap.sh" in task["run"]
 
 
-def test_spot_recipe_is_a_job_group_with_one_spot_cluster_per_replica_group(facts):
-    group = facts["llama-spot.yaml"]
+def test_job_group_recipe_stays_on_one_kubernetes_cluster_and_recovers_lost_groups(facts):
+    group = facts["llama-group.yaml"]
     assert group["job_group"] and group["primary_tasks"] == ["controller"]
+    assert group["inter_connection"] is True and group["networking_degraded"] is False
     controller, *workers = group["tasks"]
-    assert controller["name"] == "controller" and controller["use_spot"] == [False]
-    assert controller["accelerators"] == [] and controller["envs"]["MONARCH_SKY_ROLE"] == "controller"
+    assert controller["name"] == "controller" and controller["envs"]["MONARCH_SKY_ROLE"] == "controller"
+    assert [c["accelerators"] for c in controller["candidates"]] == [{}]
     assert controller["secret_refs"] == ["WANDB_API_KEY"] and controller["inline_secrets"] == []
-    assert controller["envs"]["GROUP_TASKS"].split() == [w["name"] for w in workers]
-    assert len(workers) >= 2
+    assert controller["envs"]["GROUP_TASKS"].split() == [w["name"] for w in workers] and len(workers) >= 2
+    for task in group["tasks"]:
+        for c in task["candidates"]:
+            assert c["cloud"] == "Kubernetes" and c["use_spot"] is False
+            assert c["job_recovery"]["strategy"] == "FAILOVER" and c["job_recovery"]["max_restarts_on_errors"] >= 1
     for worker in workers:
-        assert_amd_node_task(worker)
-        assert worker["use_spot"] == [True] and worker["num_nodes"] == 1
-        assert worker["envs"]["MONARCH_SKY_ROLE"] == "worker"
+        assert {a for c in worker["candidates"] for a in c["accelerators"]} == AMD
+        assert all(PINNED_IMAGE.fullmatch(c["image"]) and c["cpus"] == "64+" for c in worker["candidates"])
+        assert all(c["job_recovery"]["recover_on_exit_codes"] == [75] for c in worker["candidates"])
+        assert worker["num_nodes"] == 1 and worker["envs"]["MONARCH_SKY_ROLE"] == "worker"
         assert worker["envs"]["WORKER_TASK"] == worker["name"]
+        # sky/bootstrap.sh advertises and finds each group as $WORKER_TASK-0.$SKYPILOT_JOBGROUP_NAME
+        assert group["addresses"][worker["name"]] == f"{worker['name']}-0.{group['name']}"
 
 
-def test_skypilot_provider_builds_a_one_node_worker_task_from_the_recipe(facts):
-    proc = subprocess.run(
-        [str(SKY_PYTHON), str(REPO / "tests" / "sky_facts.py"), "--replacement", str(REPO / "recipes" / "llama.yaml")],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    task = json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.mark.parametrize("cloud,region,candidate", [("Kubernetes", "amd-ctx", "Kubernetes"), ("Slurm", "mycluster", "Slurm")])
+def test_skypilot_provider_replaces_a_node_on_the_same_infra_and_region(facts, cloud, region, candidate):
+    info = json.dumps({"cluster_name": "monarch", "cloud": cloud, "region": region, "zone": None})
+    task = sky_facts("--replacement", str(REPO / "recipes" / "llama.yaml"), info)
     recipe = facts["llama.yaml"]
     assert task["name"] == "monarch-run-r0" and task["num_nodes"] == 1
-    assert task["accelerators"] == recipe["accelerators"] and task["infras"] == recipe["infras"]
-    assert task["images"] == recipe["images"] and task["docker_run_options"] == recipe["docker_run_options"]
+    assert {c["cloud"] for c in task["candidates"]} == {candidate}
+    assert {c["region"] for c in task["candidates"]} == {region}
+    same = [c for c in recipe["candidates"] if c["cloud"] == candidate]
+    assert {(c["image"], c["cpus"], c["memory"]) for c in task["candidates"]} == {
+        (c["image"], c["cpus"], c["memory"]) for c in same}
     assert task["envs"]["MONARCH_SKY_ROLE"] == "worker" and task["envs"]["WORKER_PORT"] == "26600"
     assert task["envs"]["RECIPE"] == recipe["envs"]["RECIPE"]
     assert task["secret_refs"] == [] and task["inline_secrets"] == [], "a worker needs no secrets"

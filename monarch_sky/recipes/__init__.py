@@ -6,7 +6,7 @@ only `build_trainer` imports torchtitan, and it runs inside the replica processe
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from monarch_sky.recipes import llama3
@@ -26,10 +26,10 @@ class TrainerSpec:
     data: dict[str, Any]  # tokenizer_path, dataset, dataset_path
     ft: dict[str, Any]  # mode, sync_steps, process_group_timeout_ms, ...
     dump_folder: str
-    platform_kind: str  # "cpu" | "rocm" | "cuda"
+    platform_kind: str  # "cpu" | "rocm" | "cuda"; "" = what the replica's own host has
 
     @classmethod
-    def from_job(cls, cfg, replica: int, dump_folder: str, platform_kind: str) -> "TrainerSpec":
+    def from_job(cls, cfg, replica: int, dump_folder: str, platform_kind: str = "") -> "TrainerSpec":
         """The spec for replica group `replica` of a validated job config."""
         return cls(
             recipe=cfg.recipe,
@@ -44,6 +44,11 @@ class TrainerSpec:
             dump_folder=dump_folder,
             platform_kind=platform_kind,
         )
+
+    def on_host(self, kind: str) -> "TrainerSpec":
+        """The spec a trainer builds from on a host whose platform is `kind`: a spec the
+        controller left open ("") takes the host's; one that names a platform keeps it."""
+        return self if self.platform_kind else replace(self, platform_kind=kind)
 
 
 @dataclass(frozen=True)
