@@ -11,15 +11,33 @@
 #                      controller launched (HOST_REPLACEMENT=skypilot), reachable by its IP.
 #   controller         the job group's controller task: attaches to the GROUP_TASKS' workers.
 # When training ends the controller shuts every worker down and each node's run exits.
-# Safe to run again on a node: a live worker is reused, not doubled.
+# Safe to run again on a node: a live worker is reused, not doubled, and a second controller
+# (node rank 0 or the controller role, e.g. `sky exec` on a live cluster) refuses to start.
+#
+# Exit codes (SkyPilot marks the task FAILED on any non-zero, so managed jobs' recovery fires):
+#   0    every worker here ended because the controller shut it down (`--until-shutdown`);
+#        on node rank 0 and in the controller role, training succeeded
+#   75   (EX_TEMPFAIL) this host must be replaced: the node's own preflight (`monarch-sky
+#        doctor`: the GPUs torch sees, RCCL/gloo in the torch build) failed, in the cluster and
+#        worker roles. Job-group recipes set `recover_on_exit_codes: [75]` so a bad host is
+#        replaced without spending `max_restarts_on_errors`. Nothing else exits 75.
+#   N    a worker here died on its own: its exit status (137: SIGKILL, e.g. the OOM killer;
+#        a worker's own 75 becomes 1, since 75 is this script's verdict on the host)
+#   1-4  on node rank 0 and in the controller role: `monarch-sky train`'s code (its workers'
+#        deaths are already in that verdict); anywhere: 1 when this script stops itself (bad
+#        settings, a controller already running on the node, a worker that never listened)
 #
 # Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE
 # (and SKYPILOT_JOBGROUP_NAME in job groups) and the task envs: RECIPE, REPLICAS_PER_NODE,
 # PROCS_PER_REPLICA (CPU nodes), WORKER_PORT, MONARCH_SKY_ARGS (extra `monarch-sky train`
-# overrides), MONARCH_SKY_PY (the python with monarch_sky installed).
+# overrides), MONARCH_SKY_PY (the python with monarch_sky installed); for tests,
+# MONARCH_SKY_STATE (pid, rc and lock files), MONARCH_SKY_SYSFS and MONARCH_SKY_DEV (roots
+# the RDMA probe reads instead of /sys and /dev).
 set -euo pipefail
 
+EX_REPLACE_HOST=75
 die() { echo "monarch-sky bootstrap: $*" >&2; exit 1; }
+say() { echo "monarch-sky bootstrap: $*"; }
 need() { [ -n "${!1:-}" ] || die "$1 is not set: run this from a SkyPilot task (or set it as SkyPilot would)"; }
 
 ROLE=${MONARCH_SKY_ROLE:-cluster}
@@ -46,6 +64,16 @@ if [ "$RANK" -lt 0 ] || [ "$RANK" -ge "$NODES" ]; then
   die "SKYPILOT_NODE_RANK=$RANK is not in 0..$((NODES - 1))"
 fi
 MY_IP=${IPS[$RANK]}
+
+# One controller per node: the lock lives as long as this shell and `monarch-sky train` (workers
+# are started without it). It names the holder's pid for the message of the next one.
+if [ "$ROLE" = controller ] || { [ "$ROLE" = cluster ] && [ "$RANK" -eq 0 ]; }; then
+  command -v flock > /dev/null || die "flock (util-linux) is missing: it guards against a second controller"
+  LOCK=$STATE/controller.lock
+  exec 9>> "$LOCK"
+  flock -n 9 || die "a controller already runs on this node (bootstrap pid $(cat "$LOCK" 2> /dev/null || echo '?'), lock $LOCK): not starting a second one; wait for it or stop it first"
+  echo $$ > "$LOCK"
+fi
 "$PY" -c 'import monarch_sky' 2>/dev/null || die "$PY cannot import monarch_sky: did sky/setup.sh run? (or set MONARCH_SKY_PY)"
 [ $((PER_NODE)) -ge 1 ] || die "REPLICAS_PER_NODE=$PER_NODE must be >= 1"
 if [ "$GPUS" -gt 0 ]; then
@@ -56,21 +84,20 @@ else
 fi
 
 # --- network and ROCm environment -------------------------------------------------
-IFACE=$(ip -o -4 addr show 2>/dev/null | awk -v ip="$MY_IP" '{split($4, a, "/"); if (a[1] == ip) print $2}' | head -n 1 || true)
-if [ -n "$IFACE" ]; then
-  export NCCL_SOCKET_IFNAME=$IFACE GLOO_SOCKET_IFNAME=$IFACE  # RCCL reads the NCCL_* names
-else
-  echo "monarch-sky bootstrap: no interface found for $MY_IP; RCCL and gloo pick one themselves" >&2
-fi
-if ! ls /sys/class/infiniband/* > /dev/null 2>&1; then
-  export NCCL_IB_DISABLE=1  # no RDMA devices: sockets only
-fi
-export HSA_NO_SCRATCH_RECLAIM=1
+# RDMA only where this container can open it, sockets on this node's interface otherwise; a
+# preset NCCL_*/GLOO_* wins (monarch_sky/doctor.py `rccl_env`, reported by the doctor below).
+ENV_SH=$("$PY" -m monarch_sky.doctor --print-env "$MY_IP") || die "could not work out the RCCL/gloo environment"
+eval "$ENV_SH"
 # Trainer output goes to each node's worker log lines below, which SkyPilot streams for every
 # node. (Monarch's own log forwarding made stopping a mesh with a dead process hang.)
 
 EXPECT=()  # a GPU node must see its GPUs
 [ "$GPUS" -gt 0 ] && EXPECT=(--expect-gpus "$GPUS")
+
+preflight_failed() {  # preflight_failed NAME: this host cannot serve; ask for another one
+  echo "monarch-sky bootstrap: preflight failed on $1 ($MY_IP): this host must be replaced (exit $EX_REPLACE_HOST)" >&2
+  exit "$EX_REPLACE_HOST"
+}
 
 doctor() {  # doctor LABEL ARGS...: run `monarch-sky doctor`, prefix its lines, keep its status
   local label=$1
@@ -79,39 +106,89 @@ doctor() {  # doctor LABEL ARGS...: run `monarch-sky doctor`, prefix its lines, 
   return "${PIPESTATUS[0]}"
 }
 
-WORKER_PIDS=()
+# A worker runs in a subshell that records its exit status in $STATE/worker-PORT.rc; its own
+# pid is in worker-PORT.pid, so a later bootstrap on this node can find it and adopt it.
+WAITERS=()  # subshells of the workers this bootstrap started: `wait` gives their status
+ADOPTED=()  # pids of live workers an earlier bootstrap started: polled, then their rc file
+STARTED=()  # ports of the workers this bootstrap started
+
+worker_on_port() {  # worker_on_port PID PORT: is PID a live `monarch_sky worker` on PORT?
+  local pid=$1 port=$2 args=() i
+  [[ "$pid" =~ ^[0-9]+$ ]] && alive "$pid" || return 1
+  mapfile -d '' -t args 2> /dev/null < "/proc/$pid/cmdline" || return 1
+  for ((i = 0; i + 3 < ${#args[@]}; i++)); do
+    if [ "${args[i]}" = -m ] && [ "${args[i + 1]}" = monarch_sky ] && [ "${args[i + 2]}" = worker ]; then
+      [[ " ${args[*]:i+3} " =~ [:]$port[@[:space:]] ]] && return 0
+    fi
+  done
+  return 1
+}
+
+alive() {  # alive PID: running, not a zombie
+  local stat
+  kill -0 "$1" 2> /dev/null && stat=$(cat "/proc/$1/stat" 2> /dev/null) || return 1
+  stat=${stat##*) }
+  [ "${stat:0:1}" != Z ]
+}
+
 start_workers() {  # start_workers ADVERTISED_HOST: one worker per replica group on this node
-  local advertise=$1 g port pidfile address
+  local advertise=$1 g port pidfile address pid
   for ((g = 0; g < PER_NODE; g++)); do
     port=$((PORT + g))
     pidfile=$STATE/worker-$port.pid
-    if [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2> /dev/null; then
-      echo "monarch-sky bootstrap: node $RANK worker on port $port already running (pid $(cat "$pidfile"))"
-      WORKER_PIDS+=("$(cat "$pidfile")")
+    pid=$(cat "$pidfile" 2> /dev/null || true)
+    if [ -n "$pid" ] && worker_on_port "$pid" "$port"; then
+      say "node $RANK worker on port $port already running (pid $pid): waiting for it"
+      ADOPTED+=("$port:$pid")
       continue
     fi
+    [ -z "$pid" ] || say "node $RANK: $pidfile names pid $pid, which is no worker on port $port: starting one"
+    rm -f "$pidfile" "$STATE/worker-$port.rc"
     address=tcp://$advertise:$port
     [ "$advertise" = "$MY_IP" ] || address="$address@tcp://0.0.0.0:$port"  # advertise a name
-    if [ "$GPUS" -gt 0 ]; then
-      HIP_VISIBLE_DEVICES=$(seq -s, $((g * PROCS)) $(((g + 1) * PROCS - 1))) \
-        "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
-        > >(sed -u "s/^/[node $RANK worker $g] /") 2>&1 &
-    else
+    (
+      exec 9>&-  # the controller lock stays with the controller
+      if [ "$GPUS" -gt 0 ]; then
+        export HIP_VISIBLE_DEVICES=$(seq -s, $((g * PROCS)) $(((g + 1) * PROCS - 1)))
+      fi
       "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
         > >(sed -u "s/^/[node $RANK worker $g] /") 2>&1 &
-    fi
-    echo $! > "$pidfile"
-    WORKER_PIDS+=("$!")
+      echo $! > "$pidfile"
+      rc=0
+      wait $! || rc=$?
+      echo "$rc" > "$STATE/worker-$port.rc"
+      exit "$rc"
+    ) &
+    WAITERS+=("$port:$!")
+    STARTED+=("$port")
   done
   local mine=()
   for ((g = 0; g < PER_NODE; g++)); do mine+=("$MY_IP:$((PORT + g))"); done
-  "$PY" -m monarch_sky doctor --workers "$(IFS=,; echo "${mine[*]}")" --wait 60 > /dev/null \
-    || die "node $RANK: a worker did not start listening (see the [node $RANK worker] lines)"
+  if ! "$PY" -m monarch_sky doctor --workers "$(IFS=,; echo "${mine[*]}")" --wait 60 > /dev/null; then
+    for port in "${STARTED[@]}"; do kill "$(cat "$STATE/worker-$port.pid" 2> /dev/null)" 2> /dev/null || true; done
+    die "node $RANK: a worker did not start listening (see the [node $RANK worker] lines)"
+  fi
 }
 
-wait_workers() {
-  local pid
-  for pid in "${WORKER_PIDS[@]}"; do wait "$pid" 2> /dev/null || true; done
+wait_workers() {  # wait for every worker here; 0 only if each ended by the controller's shutdown
+  local entry port pid rc worst=0
+  for entry in ${WAITERS[@]+"${WAITERS[@]}"}; do
+    port=${entry%%:*} pid=${entry#*:} rc=0
+    wait "$pid" || rc=$?
+    [ "$rc" -eq 0 ] || say "node $RANK worker on port $port exited with status $rc" >&2
+    [ "$worst" -ne 0 ] || worst=$rc
+  done
+  for entry in ${ADOPTED[@]+"${ADOPTED[@]}"}; do
+    port=${entry%%:*} pid=${entry#*:}
+    while alive "$pid"; do sleep 2; done
+    for _ in 1 2 3 4 5; do [ -s "$STATE/worker-$port.rc" ] && break; sleep 1; done  # its subshell writes it
+    rc=$(cat "$STATE/worker-$port.rc" 2> /dev/null || echo 1)  # no rc file: whoever waited for it died too
+    [[ "$rc" =~ ^[0-9]+$ ]] || rc=1
+    [ "$rc" -eq 0 ] || say "node $RANK worker on port $port (pid $pid, adopted) exited with status $rc" >&2
+    [ "$worst" -ne 0 ] || worst=$rc
+  done
+  [ "$worst" -ne "$EX_REPLACE_HOST" ] || worst=1  # 75 is this script's verdict, not a worker's
+  return "$worst"
 }
 
 train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...
@@ -135,10 +212,12 @@ case "$ROLE" in
     if [ -n "${WORKER_TASK:-}" ] && [ -n "${SKYPILOT_JOBGROUP_NAME:-}" ]; then
       NAME=$WORKER_TASK ADVERTISE=$WORKER_TASK-0.$SKYPILOT_JOBGROUP_NAME
     fi
-    doctor "$NAME" "${EXPECT[@]}" || die "preflight failed on $NAME ($MY_IP)"
+    doctor "$NAME" ${EXPECT[@]+"${EXPECT[@]}"} || preflight_failed "$NAME"
     start_workers "$ADVERTISE"
-    echo "monarch-sky bootstrap: $NAME serving until the controller finishes"
-    wait_workers
+    say "$NAME serving until the controller finishes"
+    RC=0
+    wait_workers || RC=$?
+    exit "$RC"
     ;;
   controller)
     need GROUP_TASKS
@@ -151,12 +230,13 @@ case "$ROLE" in
       hosts.provision_timeout_s="${REPLACEMENT_WAIT_S:-1800}"
     ;;
   cluster)
-    doctor "node $RANK" "${EXPECT[@]}" || die "preflight failed on node $RANK ($MY_IP)"
+    doctor "node $RANK" ${EXPECT[@]+"${EXPECT[@]}"} || preflight_failed "node $RANK"
     start_workers "$MY_IP"
     if [ "$RANK" -ne 0 ]; then
-      echo "monarch-sky bootstrap: node $RANK serving until the controller on ${IPS[0]} finishes"
-      wait_workers
-      exit 0
+      say "node $RANK serving until the controller on ${IPS[0]} finishes"
+      RC=0
+      wait_workers || RC=$?
+      exit "$RC"
     fi
     ADDRS=()
     for ip in "${IPS[@]}"; do
@@ -167,11 +247,9 @@ case "$ROLE" in
       need RECIPE_YAML
       REPLACE=(hosts.provider=skypilot hosts.recipe_yaml="$RECIPE_YAML")
     fi
-    set +e
-    train "$(IFS=,; echo "${ADDRS[*]}")" $((NODES * PER_NODE)) "${REPLACE[@]}"
-    RC=$?
-    set -e
-    wait_workers
-    exit $RC
+    RC=0
+    train "$(IFS=,; echo "${ADDRS[*]}")" $((NODES * PER_NODE)) ${REPLACE[@]+"${REPLACE[@]}"} || RC=$?
+    wait_workers || true  # the controller's status is this node's: it has judged every worker
+    exit "$RC"
     ;;
 esac
