@@ -18,7 +18,7 @@ from conftest import REPO, Run, cli_env, leftovers, new_tag
 SKY_PYTHON = REPO / ".venv-sky" / "bin" / "python"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 AMD = {"MI300X", "MI300", "MI325X", "MI355X"}  # as SkyPilot's own AMD docs and clusters label them
-# torch 2.13.0 (torchmonarch 0.7.0's ABI), Python 3.11-3.13 (its and torchft's wheels)
+# torch 2.13.0 (what monarch-sky pins), Python 3.11-3.13 (torchmonarch's and torchft's wheels)
 PINNED_IMAGE = re.compile(r"docker:rocm/pytorch:rocm\d+\.\d+[.\d]*_ubuntu\d+\.\d+_py3\.1[123]_pytorch_release_2\.13\.0")
 
 

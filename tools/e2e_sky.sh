@@ -6,8 +6,9 @@
 # reached by SkyPilot over ssh as user `sky` on 127.0.0.1:2222. SkyPilot's remote runtime setup
 # downloads uv and a CPython 3.10 from the internet: both are pre-seeded where it looks for
 # them (the cluster's home and runtime dir), uv from its PyPI wheel, the runtime venv from the
-# system python. The node's torch is this machine's CPU wheel (TORCH_SPEC=torch==2.13.0+cpu,
-# found through pip's find-links): a bare torch==2.13.0 from PyPI is a multi-GB CUDA build. Then `sky launch` runs sky/setup.sh and sky/bootstrap.sh like on a cloud:
+# system python. sky/setup.sh takes its wheel path on the system Python 3.11 with this machine's
+# torch CPU wheel (TORCH_SPEC=/opt/wheels/...; a bare torch==2.13.0 from PyPI is a multi-GB CUDA
+# build) and the rest from PyPI. Then `sky launch` runs sky/setup.sh and sky/bootstrap.sh like on a cloud:
 # two replica groups on the node (REPLICAS_PER_NODE=2), one injected kill, healed from a peer.
 set -euo pipefail
 
@@ -102,11 +103,13 @@ chown -R sky:sky /home/sky/.sky_clusters
 sudo -u sky mkdir -p "/tmp/$NAME"
 [ -d "/tmp/$NAME/skypilot-runtime" ] || sudo -u sky /usr/bin/python3 -m venv "/tmp/$NAME/skypilot-runtime"
 
+TORCH_WHEEL=$(ls /opt/wheels/torch-2.13.0+cpu-cp311-*.whl 2> /dev/null | head -n 1)
+[ -n "$TORCH_WHEEL" ] || die "no torch 2.13.0 CPU wheel in /opt/wheels (a PyPI torch is a multi-GB CUDA build)"
 say "sky launch recipes/debug.yaml (2 replica groups on one node, a kill at step 20)"
 cd "$REPO"
 "$SKY" launch -y -c "$CLUSTER" recipes/debug.yaml --infra slurm/localcluster --num-nodes 1 \
   --cpus "$(nproc)" --memory 8 \
-  --env REPLICAS_PER_NODE=2 --env PROCS_PER_REPLICA=2 --env TORCH_SPEC=torch==2.13.0+cpu --env PIP_FIND_LINKS=/opt/wheels \
+  --env REPLICAS_PER_NODE=2 --env PROCS_PER_REPLICA=2 --env TORCH_SPEC="$TORCH_WHEEL" --env TORCH_CPU_INDEX=https://pypi.org/simple --env MONARCH_SKY_PYTHON=3.11 \
   --env MONARCH_SKY_ARGS="steps=60 faults=kill@20:1 wandb.mode=disabled" \
   2>&1 | tee /tmp/e2e-sky.log
 grep -q "Job finished (status: SUCCEEDED)" /tmp/e2e-sky.log || die "the SkyPilot job did not succeed (/tmp/e2e-sky.log)"
