@@ -1,4 +1,4 @@
-"""`monarch-sky` command line: train, worker, doctor, bench, report."""
+"""`monarch-sky` command line: train, worker, doctor, bench, report, tls-ca, tls-node."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     worker = sub.add_parser("worker", help="run this host's Monarch worker loop")
-    worker.add_argument("--address", required=True, help="tcp://IP:PORT to listen on")
+    worker.add_argument("--address", required=True, help="tcp://IP:PORT or tls://IP:PORT to listen on")
     worker.add_argument(
         "--until-shutdown", action="store_true", help="exit when a controller shuts this host down"
     )
@@ -39,9 +39,16 @@ def main(argv: list[str] | None = None) -> int:
     report = sub.add_parser("report", help="render the table and plots of a past run or bench")
     report.add_argument("path", metavar="RUN_OR_BENCH_DIR", help="a run folder (summary.json) or bench folder (bench.json)")
 
+    sub.add_parser("tls-ca", help="make a run CA: prints shell exports of MONARCH_SKY_TLS_CA and _KEY")
+    node = sub.add_parser("tls-node", help="issue this node's certificate from the run CA in the environment")
+    node.add_argument("--out", required=True, help="folder for ca.pem, cert.pem, key.pem (mode 0600)")
+    node.add_argument("hosts", nargs="+", metavar="IP_OR_NAME", help="every address this node is dialled by")
+
     args = parser.parse_args(argv)
     if args.command in ("bench", "report"):
         return _bench_or_report(args)
+    if args.command in ("tls-ca", "tls-node"):
+        return _tls(args)
     from monarch_sky import supervision
 
     supervision.configure_monarch_env()  # before anything imports Monarch
@@ -75,6 +82,25 @@ def _bench_or_report(args) -> int:
         return 2
     print(text)
     print("\n".join(f"plot: {p}" for p in plots))
+    return 0
+
+
+def _tls(args) -> int:
+    """Print `export NAME=VALUE` lines for a shell to eval (sky/bootstrap.sh does)."""
+    import shlex
+
+    from monarch_sky import tls
+
+    if args.command == "tls-ca":
+        cert, key = tls.new_ca()
+        env = {tls.CA_ENV: cert, tls.CA_KEY_ENV: key}
+    else:
+        try:
+            env = tls.node_env(args.out, args.hosts)
+        except ValueError as e:
+            print(f"monarch-sky: {e}", file=sys.stderr)
+            return 2
+    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
     return 0
 
 

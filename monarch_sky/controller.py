@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from monarch_sky import platform as platform_mod
-from monarch_sky import supervision
+from monarch_sky import supervision, tls
 from monarch_sky.config import Job
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog
@@ -116,7 +116,7 @@ class Controller:
         ctx = self.ctx
         ctx.phase(f"starting {ctx.cfg.replicas} hosts ({type(ctx.provider).__name__})")
         hosts = await asyncio.wait_for(off_loop(ctx.provider.start, ctx.cfg.replicas), ctx.cfg.hosts.provision_timeout_s)
-        enable_transport(f"tcp://{ctx.provider.controller_ip()}:0")
+        enable_transport(f"{tls.scheme()}://{ctx.provider.controller_ip()}:0")  # workers dial back here
         for index, host in enumerate(hosts):
             self.slots.append(Slot(ctx, index, host, await attach_host(ctx, host)))
         for slot in self.slots:

@@ -39,7 +39,9 @@ class Host:
 
     @property
     def address(self) -> str:
-        return f"tcp://{self.ip}:{self.port}"
+        from monarch_sky import tls
+
+        return f"{tls.scheme()}://{self.ip}:{self.port}"
 
 
 class HostError(RuntimeError):
@@ -186,8 +188,8 @@ class AddressListHosts(HostProvider):
 
 
 def parse_address(address: str, name: str) -> Host:
-    """`IP:PORT` or `tcp://IP:PORT` -> Host."""
-    text = address.strip().removeprefix("tcp://")
+    """`IP:PORT`, `tcp://IP:PORT` or `tls://IP:PORT` -> Host."""
+    text = address.strip().removeprefix("tcp://").removeprefix("tls://")
     ip, sep, port = text.rpartition(":")
     if not sep or not ip or not port.isdigit():
         raise HostError(f"'{address}' is not IP:PORT")

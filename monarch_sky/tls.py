@@ -1,0 +1,124 @@
+"""Mutual TLS between the controller and the workers: only holders of the run's certificate
+can attach to a worker (and run code there) or talk to the controller.
+
+Monarch 0.7.0's Python API refuses any `ca=` but "trust_all_connections", yet its transport
+already does TLS: a `tls://HOST:PORT` address, with the CA, certificate and key named by the
+HYPERACTOR_TLS_* variables of each process. Both ends then demand a certificate signed by
+the CA, and each checks that the other's certificate names the address it dialled.
+
+The run's CA reaches every node as two secrets (MONARCH_SKY_TLS_CA, MONARCH_SKY_TLS_CA_KEY,
+made once by `monarch-sky tls-ca`); each node issues itself a certificate for its own
+address and names (`monarch-sky tls-node`). Holding the CA key grants nothing a node
+certificate does not: any certificate it signs is let in.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+from pathlib import Path
+
+CA_ENV, CA_KEY_ENV = "MONARCH_SKY_TLS_CA", "MONARCH_SKY_TLS_CA_KEY"
+HYPERACTOR_ENV = {"ca": "HYPERACTOR_TLS_CA", "cert": "HYPERACTOR_TLS_CERT", "key": "HYPERACTOR_TLS_KEY"}
+VALID = datetime.timedelta(days=30)
+
+
+def scheme() -> str:
+    """The Monarch transport of this process: tls once it has a certificate, else tcp."""
+    return "tls" if all(os.environ.get(v) for v in HYPERACTOR_ENV.values()) else "tcp"
+
+
+def _pem(cert, key) -> tuple[str, str]:
+    from cryptography.hazmat.primitives import serialization
+
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM).decode(), key_pem.decode()
+
+
+def _name(common_name: str):
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+
+def _builder(subject, issuer, public_key):
+    from cryptography import x509
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + VALID)
+    )
+
+
+def new_ca(name: str = "monarch-sky run CA") -> tuple[str, str]:
+    """A fresh CA certificate and key, PEM."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        _builder(_name(name), _name(name), key.public_key())
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    return _pem(cert, key)
+
+
+def issue(ca_pem: str, ca_key_pem: str, hosts: list[str]) -> tuple[str, str]:
+    """A certificate for `hosts` (IPs and names this node is dialled by), signed by the CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    ca = x509.load_pem_x509_certificate(ca_pem.encode())
+    ca_key = serialization.load_pem_private_key(ca_key_pem.encode(), password=None)
+    key = ec.generate_private_key(ec.SECP256R1())
+    names = [_san(h) for h in dict.fromkeys(hosts)]
+    usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    cert = (
+        _builder(_name(hosts[0]), ca.subject, key.public_key())
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return _pem(cert, key)
+
+
+def _san(host: str):
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def node_env(out_dir: str, hosts: list[str], environ=os.environ) -> dict[str, str]:
+    """Issue this node's certificate from the run's CA (in `environ`) into `out_dir` (mode 0600)
+    and return the HYPERACTOR_TLS_* settings that make its processes speak TLS."""
+    ca_pem, ca_key_pem = environ.get(CA_ENV, ""), environ.get(CA_KEY_ENV, "")
+    if not (ca_pem.strip() and ca_key_pem.strip()):
+        raise ValueError(f"{CA_ENV} and {CA_KEY_ENV} must both be set (make them with `monarch-sky tls-ca`)")
+    cert_pem, key_pem = issue(ca_pem, ca_key_pem, hosts)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    files = {"ca": ca_pem, "cert": cert_pem, "key": key_pem}
+    env = {}
+    for what, text in files.items():
+        path = out / f"{what}.pem"
+        path.touch(mode=0o600)
+        path.write_text(text)
+        env[HYPERACTOR_ENV[what]] = str(path)
+    return env
