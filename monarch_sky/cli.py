@@ -93,7 +93,7 @@ def _tls(args) -> int:
 
     if args.command == "tls-ca":
         cert, key = tls.new_ca()
-        env = {tls.CA_ENV: cert, tls.CA_KEY_ENV: key}
+        env = {tls.CA_ENV: tls.as_secret(cert), tls.CA_KEY_ENV: tls.as_secret(key)}
     else:
         try:
             env = tls.node_env(args.out, args.hosts)

@@ -51,7 +51,9 @@ class SkyPilotHosts(AddressListHosts):
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(config, f)
         self.launched.append(cluster)
-        self._sky("launch", "-y", "--detach-run", "-c", cluster, f.name)
+        # The run's CA travels from this node's environment, never through the YAML file.
+        secrets = [arg for name in TLS_SECRETS if os.environ.get(name) for arg in ("--secret", name)]
+        self._sky("launch", "-y", "--detach-run", "-c", cluster, *secrets, f.name)
         ip = self._sky("status", "--ip", cluster).strip().splitlines()[-1]
         host = Host(name=cluster, ip=ip, port=self.port)
         self._wait_up(host)
@@ -114,6 +116,7 @@ def load_recipe(path: str) -> dict:
         return yaml.safe_load(f)
 
 
+TLS_SECRETS = ("MONARCH_SKY_TLS_CA", "MONARCH_SKY_TLS_CA_KEY")  # monarch_sky.tls
 CLUSTER_INFO_ENV = "SKYPILOT_CLUSTER_INFO"  # {"cluster_name", "cloud", "region", "zone"}
 INFRA_ALIASES = {"k8s": "kubernetes"}
 

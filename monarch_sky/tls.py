@@ -14,6 +14,7 @@ certificate does not: any certificate it signs is let in.
 
 from __future__ import annotations
 
+import base64
 import datetime
 import ipaddress
 import os
@@ -105,12 +106,25 @@ def _san(host: str):
         return x509.DNSName(host)
 
 
+def as_secret(pem: str) -> str:
+    """PEM as one line (base64), so it travels as a SkyPilot secret or an env var."""
+    return base64.b64encode(pem.encode()).decode()
+
+
+def _from_secret(value: str) -> str:
+    return value if value.lstrip().startswith("-----BEGIN") else base64.b64decode(value).decode()
+
+
 def node_env(out_dir: str, hosts: list[str], environ=os.environ) -> dict[str, str]:
-    """Issue this node's certificate from the run's CA (in `environ`) into `out_dir` (mode 0600)
-    and return the HYPERACTOR_TLS_* settings that make its processes speak TLS."""
-    ca_pem, ca_key_pem = environ.get(CA_ENV, ""), environ.get(CA_KEY_ENV, "")
-    if not (ca_pem.strip() and ca_key_pem.strip()):
+    """Issue this node's certificate from the run's CA (in `environ`, PEM or `as_secret`) into
+    `out_dir` (mode 0600) and return the HYPERACTOR_TLS_* settings for TLS."""
+    ca, ca_key = environ.get(CA_ENV, "").strip(), environ.get(CA_KEY_ENV, "").strip()
+    if not (ca and ca_key):
         raise ValueError(f"{CA_ENV} and {CA_KEY_ENV} must both be set (make them with `monarch-sky tls-ca`)")
+    try:
+        ca_pem, ca_key_pem = _from_secret(ca), _from_secret(ca_key)
+    except ValueError as e:
+        raise ValueError(f"{CA_ENV}/{CA_KEY_ENV} are neither PEM nor `monarch-sky tls-ca` output: {e}") from None
     cert_pem, key_pem = issue(ca_pem, ca_key_pem, hosts)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -88,6 +88,22 @@ fi
 # preset NCCL_*/GLOO_* wins (monarch_sky/doctor.py `rccl_env`, reported by the doctor below).
 ENV_SH=$("$PY" -m monarch_sky.doctor --print-env "$MY_IP") || die "could not work out the RCCL/gloo environment"
 eval "$ENV_SH"
+
+# Mutual TLS (monarch_sky/tls.py): with the run's CA in MONARCH_SKY_TLS_CA/_KEY (secrets), only
+# processes holding a certificate from it can attach to a worker here or reach the controller.
+SCHEME=tcp
+if [ -n "${MONARCH_SKY_TLS_CA:-}" ]; then
+  TLS_NAMES=("$MY_IP")  # every name this node is dialled by
+  if [ -n "${WORKER_TASK:-}" ] && [ -n "${SKYPILOT_JOBGROUP_NAME:-}" ]; then
+    TLS_NAMES+=("$WORKER_TASK-0.$SKYPILOT_JOBGROUP_NAME")
+  fi
+  TLS_SH=$("$PY" -m monarch_sky tls-node --out "$STATE/tls" "${TLS_NAMES[@]}") \
+    || die "could not issue this node's TLS certificate from MONARCH_SKY_TLS_CA/_KEY (see above)"
+  eval "$TLS_SH"
+  SCHEME=tls
+else
+  say "no MONARCH_SKY_TLS_CA: anything that reaches a worker port here can run code (README: Security)" >&2
+fi
 # Trainer output goes to each node's worker log lines below, which SkyPilot streams for every
 # node. (Monarch's own log forwarding made stopping a mesh with a dead process hang.)
 
@@ -144,8 +160,9 @@ start_workers() {  # start_workers ADVERTISED_HOST: one worker per replica group
     fi
     [ -z "$pid" ] || say "node $RANK: $pidfile names pid $pid, which is no worker on port $port: starting one"
     rm -f "$pidfile" "$STATE/worker-$port.rc"
-    address=tcp://$advertise:$port
-    [ "$advertise" = "$MY_IP" ] || address="$address@tcp://0.0.0.0:$port"  # advertise a name
+    address=$SCHEME://$advertise:$port
+    # A name is advertised and all interfaces bound (TCP only; a tls:// name binds its own IP).
+    [ "$advertise" = "$MY_IP" ] || [ "$SCHEME" = tls ] || address="$address@tcp://0.0.0.0:$port"
     (
       exec 9>&-  # the controller lock stays with the controller
       if [ "$GPUS" -gt 0 ]; then

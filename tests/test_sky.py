@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, Run, cli_env, leftovers, new_tag
+from monarch_sky import tls
+from monarch_sky.sky_hosts import TLS_SECRETS
 
 SKY_PYTHON = REPO / ".venv-sky" / "bin" / "python"
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -63,7 +65,7 @@ def test_cluster_recipes_ask_skypilot_for_amd_nodes_that_exist(facts, name, reci
     assert not task["job_group"] and task["num_nodes"] == 2
     assert_amd_node(task, memory_gb)
     assert task["envs"]["RECIPE"] == recipe and task["envs"]["RECIPE_YAML"] == f"recipes/{name}"
-    assert task["secret_refs"] == ["WANDB_API_KEY"]
+    assert task["secret_refs"] == ["WANDB_API_KEY", *TLS_SECRETS]
 
 
 @pytest.mark.parametrize("label", ["mi300x", "mi300", "mi325x", "mi355x"])
@@ -111,7 +113,7 @@ def test_job_group_recipe_stays_on_one_kubernetes_cluster_and_recovers_lost_grou
     controller, *workers = group["tasks"]
     assert controller["name"] == "controller" and controller["envs"]["MONARCH_SKY_ROLE"] == "controller"
     assert [c["accelerators"] for c in controller["candidates"]] == [{}]
-    assert controller["secret_refs"] == ["WANDB_API_KEY"] and controller["inline_secrets"] == []
+    assert controller["secret_refs"] == ["WANDB_API_KEY", *TLS_SECRETS] and controller["inline_secrets"] == []
     assert controller["envs"]["GROUP_TASKS"].split() == [w["name"] for w in workers] and len(workers) >= 2
     for task in group["tasks"]:
         for c in task["candidates"]:
@@ -123,6 +125,7 @@ def test_job_group_recipe_stays_on_one_kubernetes_cluster_and_recovers_lost_grou
         assert all(c["job_recovery"]["recover_on_exit_codes"] == [75] for c in worker["candidates"])
         assert worker["num_nodes"] == 1 and worker["envs"]["MONARCH_SKY_ROLE"] == "worker"
         assert worker["envs"]["WORKER_TASK"] == worker["name"]
+        assert worker["secret_refs"] == list(TLS_SECRETS) and worker["inline_secrets"] == []
         # sky/bootstrap.sh advertises and finds each group as $WORKER_TASK-0.$SKYPILOT_JOBGROUP_NAME
         assert group["addresses"][worker["name"]] == f"{worker['name']}-0.{group['name']}"
 
@@ -170,6 +173,9 @@ def test_doctor_names_the_node_whose_worker_does_not_answer():
     assert "FAIL node-1" in proc.stdout and "127.0.0.1:9" in proc.stdout
 
 
+RUN_CA = dict(zip((tls.CA_ENV, tls.CA_KEY_ENV), map(tls.as_secret, tls.new_ca())))
+
+
 def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str) -> dict[str, str]:
     return {
         **cli_env(tag),
@@ -184,6 +190,7 @@ def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str) -> dict
         "MONARCH_SKY_PY": sys.executable,
         "MONARCH_SKY_STATE": str(tmp / f"state{rank}"),
         "MONARCH_SKY_ARGS": args,
+        **RUN_CA,  # the run's CA, as the recipes' secrets bring it: workers and controller speak TLS
     }
 
 
@@ -216,7 +223,7 @@ def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path):
     assert fault["kind"] == "kill" and fault["recovered_from"] == "peer"
     assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == nodes
     hosts = next(e for e in run.events if e["event"] == "hosts_ready")["hosts"]
-    assert hosts == [f"tcp://127.0.0.{i + 1}:26600" for i in range(nodes)]
+    assert hosts == [f"tls://127.0.0.{i + 1}:26600" for i in range(nodes)]
     assert "[node 1 doctor]" in outputs[1] and "[node 1 worker 0]" in outputs[1]
     assert run.leftovers == [], run.leftovers
 
