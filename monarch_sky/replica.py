@@ -15,6 +15,7 @@ import time
 
 from monarch.actor import Actor, endpoint
 
+from monarch_sky import digest as digest_mod
 from monarch_sky import platform as platform_mod
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.step_result import StepResult, combine
@@ -167,7 +168,9 @@ class ReplicaGroup:
         return combine(list((await self._call(self.actors.join.call(), timeout_s)).values()))
 
     async def final_state(self, timeout_s: float) -> dict:
-        return (await self._call(self.actors.final_state.call(), timeout_s)).get(0)
+        """Rank 0's final state, with the group's digest combined from every rank's shards."""
+        per_rank = list((await self._call(self.actors.final_state.call(), timeout_s)).values())
+        return {**per_rank[0], "digest": digest_mod.combine([r["digest"] for r in per_rank])}
 
     async def answers(self, timeout_s: float) -> bool:
         """Whether every rank's process still runs Python: a hung one (GIL held, frozen)

@@ -22,7 +22,7 @@ import torch
 from monarch_sky import platform as platform_mod
 from monarch_sky import test_hooks
 from monarch_sky.data_position import DataPosition
-from monarch_sky.digest import param_digest
+from monarch_sky.digest import shard_digest
 from monarch_sky.recipes import RECIPES, TrainerSpec
 from monarch_sky.step_result import StepResult
 
@@ -271,9 +271,9 @@ class GroupTrainer:
         return float(loss.item())
 
     def final_state(self) -> dict:
-        """What the run record keeps of each group at the end (a collective)."""
+        """What the run record keeps of this rank at the end (no collective)."""
         return {
-            "digest": param_digest(self.trainer.model_parts),
+            "digest": shard_digest(self.trainer.model_parts),  # combined over ranks by the controller
             "lr": self.trainer.optimizers.optimizers[0].param_groups[0]["lr"],
             "scheduler_steps": self.trainer.lr_schedulers.schedulers[0].last_epoch,
             "step": self.progress(),
