@@ -147,6 +147,10 @@ class LocalHosts(HostProvider):
         reap_run(self.run_id)
 
 
+COMEBACK_PORT_STEP = 100  # a node's restarted worker listens this much above the last one
+COMEBACK_PORTS = 5  # how many such moves the controller looks for
+
+
 class AddressListHosts(HostProvider):
     """Workers at fixed addresses, already running (started by the node bootstrap)."""
 
@@ -166,17 +170,28 @@ class AddressListHosts(HostProvider):
         return self.hosts[:count]
 
     def replace(self, lost: Host) -> Host:
-        """A spare if there is one, else the lost address once its worker is back."""
+        """A spare if there is one, else the lost node's worker once it is back: on a port
+        COMEBACK_PORT_STEP above the lost one (sky/bootstrap.sh moves a restarted worker
+        there), since Monarch 0.7.0 never attaches a controller to a new worker at the
+        address of one that died under it."""
         if self._spares:
             return self._spares.pop(0)
-        self._wait_up(lost)
-        return lost
+        comebacks = [
+            Host(name=f"{lost.name}-p{port}", ip=lost.ip, port=port)
+            for port in range(lost.port + COMEBACK_PORT_STEP, 65536, COMEBACK_PORT_STEP)[:COMEBACK_PORTS]
+        ]
+        return self._wait_up(*comebacks)
 
-    def _wait_up(self, host: Host) -> None:
+    def _wait_up(self, *hosts: Host) -> Host:
+        """The first of `hosts` whose worker listens (within wait_s)."""
         deadline = time.monotonic() + self.wait_s
-        while not self.alive(host):
+        while True:
+            for host in hosts:
+                if self.alive(host):
+                    return host
             if time.monotonic() > deadline:
-                raise HostError(f"no worker listening at {host.address} within {self.wait_s:.0f}s")
+                where = " or ".join(h.address for h in hosts)
+                raise HostError(f"no worker listening at {where} within {self.wait_s:.0f}s")
             if self._closed.wait(1.0):
                 raise HostError("the run is shutting down")
 

@@ -147,42 +147,63 @@ alive() {  # alive PID: running, not a zombie
   [ "${stat:0:1}" != Z ]
 }
 
-start_workers() {  # start_workers ADVERTISED_HOST: one worker per replica group on this node
-  local advertise=$1 g port pidfile address pid
-  for ((g = 0; g < PER_NODE; g++)); do
-    port=$((PORT + g))
-    pidfile=$STATE/worker-$port.pid
-    pid=$(cat "$pidfile" 2> /dev/null || true)
-    if [ -n "$pid" ] && worker_on_port "$pid" "$port"; then
-      say "node $RANK worker on port $port already running (pid $pid): waiting for it"
-      ADOPTED+=("$port:$pid")
-      continue
-    fi
-    [ -z "$pid" ] || say "node $RANK: $pidfile names pid $pid, which is no worker on port $port: starting one"
-    rm -f "$pidfile" "$STATE/worker-$port.rc"
+# Monarch 0.7.0 never attaches a controller to a new worker at the address of one that died
+# under it, so a worker started again (after a crash, or on a node that came back with its
+# $STATE) listens COMEBACK_PORT_STEP above the last one; the controller looks for it there
+# (monarch_sky/hosts.py, the same step). State files are named by the slot's first port.
+COMEBACK_PORT_STEP=100
+WORKER_RESTARTS=${WORKER_RESTARTS:-3}  # a worker that dies on its own is started again this often
+
+serve_worker() {  # serve_worker G BASE PORT ADVERTISED: run slot G's worker, again if it dies
+  local g=$1 base=$2 port=$3 advertise=$4 restarts=0 rc address
+  while true; do
+    echo "$port" > "$STATE/worker-$base.port"
     address=$SCHEME://$advertise:$port
     # A name is advertised and all interfaces bound (TCP only; a tls:// name binds its own IP).
     [ "$advertise" = "$MY_IP" ] || [ "$SCHEME" = tls ] || address="$address@tcp://0.0.0.0:$port"
+    "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
+      > >(sed -u "s/^/[node $RANK worker $g] /") 2>&1 &
+    echo $! > "$STATE/worker-$base.pid"
+    rc=0
+    wait $! || rc=$?
+    { [ "$rc" -ne 0 ] && [ "$restarts" -lt "$WORKER_RESTARTS" ]; } || break
+    restarts=$((restarts + 1)) port=$((port + COMEBACK_PORT_STEP))
+    say "node $RANK worker on port $((port - COMEBACK_PORT_STEP)) exited with status $rc: starting it again on port $port ($restarts/$WORKER_RESTARTS)" >&2
+  done
+  echo "$rc" > "$STATE/worker-$base.rc"
+  return "$rc"
+}
+
+start_workers() {  # start_workers ADVERTISED_HOST: one worker per replica group on this node
+  local advertise=$1 g base port pidfile pid mine=()
+  for ((g = 0; g < PER_NODE; g++)); do
+    base=$((PORT + g))
+    pidfile=$STATE/worker-$base.pid
+    pid=$(cat "$pidfile" 2> /dev/null || true)
+    port=$(cat "$STATE/worker-$base.port" 2> /dev/null || echo "$base")
+    if [ -n "$pid" ] && worker_on_port "$pid" "$port"; then
+      say "node $RANK worker on port $port already running (pid $pid): waiting for it"
+      ADOPTED+=("$base:$pid")
+      mine+=("$MY_IP:$port")
+      continue
+    fi
+    [ -z "$pid" ] || say "node $RANK: $pidfile names pid $pid, which is no worker on port $port: starting one"
+    # A worker of this run served here before: its address cannot be attached to again.
+    [ ! -f "$STATE/worker-$base.port" ] || port=$((port + COMEBACK_PORT_STEP))
+    rm -f "$pidfile" "$STATE/worker-$base.rc"
     (
       exec 9>&-  # the controller lock stays with the controller
       if [ "$GPUS" -gt 0 ]; then
         export HIP_VISIBLE_DEVICES=$(seq -s, $((g * PROCS)) $(((g + 1) * PROCS - 1)))
       fi
-      "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
-        > >(sed -u "s/^/[node $RANK worker $g] /") 2>&1 &
-      echo $! > "$pidfile"
-      rc=0
-      wait $! || rc=$?
-      echo "$rc" > "$STATE/worker-$port.rc"
-      exit "$rc"
+      serve_worker "$g" "$base" "$port" "$advertise"
     ) &
-    WAITERS+=("$port:$!")
-    STARTED+=("$port")
+    WAITERS+=("$base:$!")
+    STARTED+=("$base")
+    mine+=("$MY_IP:$port")
   done
-  local mine=()
-  for ((g = 0; g < PER_NODE; g++)); do mine+=("$MY_IP:$((PORT + g))"); done
   if ! "$PY" -m monarch_sky doctor --workers "$(IFS=,; echo "${mine[*]}")" --wait 60 > /dev/null; then
-    for port in "${STARTED[@]}"; do kill "$(cat "$STATE/worker-$port.pid" 2> /dev/null)" 2> /dev/null || true; done
+    for base in "${STARTED[@]}"; do kill "$(cat "$STATE/worker-$base.pid" 2> /dev/null)" 2> /dev/null || true; done
     die "node $RANK: a worker did not start listening (see the [node $RANK worker] lines)"
   fi
 }
@@ -197,7 +218,12 @@ wait_workers() {  # wait for every worker here; 0 only if each ended by the cont
   done
   for entry in ${ADOPTED[@]+"${ADOPTED[@]}"}; do
     port=${entry%%:*} pid=${entry#*:}
-    while alive "$pid"; do sleep 2; done
+    # Its bootstrap may start it again (a new pid in the pidfile); the rc file is the end.
+    local now=$pid
+    while [ ! -s "$STATE/worker-$port.rc" ]; do
+      alive "$now" || { sleep 5; now=$(cat "$STATE/worker-$port.pid" 2> /dev/null || true); alive "$now" || break; }
+      sleep 2
+    done
     for _ in 1 2 3 4 5; do [ -s "$STATE/worker-$port.rc" ] && break; sleep 1; done  # its subshell writes it
     rc=$(cat "$STATE/worker-$port.rc" 2> /dev/null || echo 1)  # no rc file: whoever waited for it died too
     [[ "$rc" =~ ^[0-9]+$ ]] || rc=1

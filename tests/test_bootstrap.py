@@ -184,7 +184,8 @@ def test_a_killed_worker_fails_its_node_and_the_bootstrap_that_adopted_it(tmp_pa
     sysfs, dev = roots
     fake_hca(sysfs, "mlx5_0", "mlx5_core")  # seen, but not mounted: sockets only
     tag, port = new_tag(), free_port()
-    env = node_env(tag, tmp_path, "worker", port, MONARCH_SKY_SYSFS=str(sysfs), MONARCH_SKY_DEV=str(dev))
+    env = node_env(tag, tmp_path, "worker", port, MONARCH_SKY_SYSFS=str(sysfs), MONARCH_SKY_DEV=str(dev),
+                   WORKER_RESTARTS="0")  # the default restarts it: see the test below
     try:
         first = Node(env, tmp_path / "first.log")
         first.wait_for("serving until the controller finishes")
@@ -214,7 +215,7 @@ def test_a_pidfile_naming_another_process_is_not_adopted(tmp_path):
     stranger = subprocess.Popen(["sleep", "300"])  # what a recycled pid could be
     (state / f"worker-{port}.pid").write_text(f"{stranger.pid}\n")
     try:
-        node = Node(node_env(tag, tmp_path, "worker", port), tmp_path / "node.log")
+        node = Node(node_env(tag, tmp_path, "worker", port, WORKER_RESTARTS="0"), tmp_path / "node.log")
         node.wait_for("serving until the controller finishes")
         assert "which is no worker on port" in node.output and "already running" not in node.output
         pid = worker_pid(state, port)
@@ -254,4 +255,25 @@ def test_a_node_that_fails_its_preflight_asks_for_a_new_host(tmp_path):
     )
     assert proc.returncode == EX_REPLACE_HOST, proc.stdout + proc.stderr
     assert "FAIL gpus" in proc.stdout and "this host must be replaced" in proc.stderr
+    assert leftovers(tag) == []
+
+
+def test_a_worker_that_dies_comes_back_on_a_port_the_controller_can_attach_to(tmp_path):
+    """Monarch 0.7.0 never re-attaches a controller to a new worker at a dead worker's address:
+    the bootstrap starts it again COMEBACK_PORT_STEP higher, where AddressListHosts looks."""
+    from monarch_sky.hosts import COMEBACK_PORT_STEP, AddressListHosts, Host
+
+    tag, port = new_tag(), free_port()
+    moved = port + COMEBACK_PORT_STEP
+    try:
+        node = Node(node_env(tag, tmp_path, "worker", port, WORKER_RESTARTS="1"), tmp_path / "node.log")
+        node.wait_for("serving until the controller finishes")
+        os.kill(worker_pid(tmp_path / "state", port), signal.SIGKILL)
+        node.wait_for(f"starting it again on port {moved} (1/1)")
+        back = AddressListHosts([f"127.0.0.1:{port}"], "127.0.0.1", wait_s=60).replace(Host("node-0", "127.0.0.1", port))
+        assert (back.ip, back.port) == ("127.0.0.1", moved)
+        os.kill(worker_pid(tmp_path / "state", port), signal.SIGKILL)  # no restarts left: the node fails
+        assert node.finish() == 128 + signal.SIGKILL, node.output
+    finally:
+        kill_tagged(tag)
     assert leftovers(tag) == []
