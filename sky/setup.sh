@@ -161,6 +161,20 @@ write_excludes() {
   fi
 }
 
+# Nodes that share a home (Slurm's usual NFS home) run setup at the same time on the same venv:
+# one builds it, the others wait for the lock and reuse it when it was built for what they ask.
+mkdir -p "$(dirname "$VENV")"
+exec 8> "$VENV.lock"
+flock -w "${MONARCH_SKY_SETUP_WAIT_S:-3600}" 8 || die "another node's setup of $VENV did not finish (lock $VENV.lock)"
+READY=$VENV/.monarch-sky-ready
+WANT=$(printf '%s|' "$(sha256sum "$SRC/pyproject.toml" | cut -c1-16)" "$GPUS" "${TORCH_SPEC:-}" \
+  "$ROCM_INDEX" "$CPU_INDEX" "$PYTHON_VERSION" "$(command -v python3)")
+if [ -f "$READY" ] && [ "$(cat "$READY")" = "$WANT" ] && "$PY" -c 'import monarch_sky' 2> /dev/null; then
+  echo "monarch-sky setup: $VENV is ready (set up with the same settings, e.g. by a node sharing this home)"
+  exit 0
+fi
+rm -f "$READY"
+
 find_uv
 if image_has_torch; then
   FIX="use an image with Python 3.11-3.13 and torch $TORCH_VERSION for ROCm (e.g. $IMAGE_EXAMPLE),"
@@ -175,3 +189,4 @@ check_stack settled "$FIX"
 write_excludes
 uv_install --excludes "$EXCLUDES" -e "$SRC"  # pyproject.toml lists the rest
 check_stack installed "$FIX"
+echo "$WANT" > "$READY"

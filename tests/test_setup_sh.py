@@ -184,3 +184,26 @@ def test_uv_without_excludes_stops(tmp_path):
     assert node.returncode != 0
     assert "has no 'uv pip install --excludes'" in node.output and "self update" in node.output
     assert node.venv_options() == []
+
+
+def test_nodes_sharing_a_home_build_the_venv_once(tmp_path):
+    """Slurm runs setup on every node at once, often on a shared home: one node builds the
+    venv, the others wait for it and reuse it; a change of settings builds it again."""
+    first = run_setup(tmp_path / "a", image=None, gpus=0)
+    assert first.returncode == 0, first.output
+    again = rerun_setup(tmp_path / "a", gpus=0)
+    assert again.returncode == 0 and "is ready" in again.output, again.output
+    other = rerun_setup(tmp_path / "a", gpus=0, env={"TORCH_SPEC": "torch==2.13.0+cpu"})
+    assert other.returncode == 0 and "is ready" not in other.output, other.output
+
+
+def rerun_setup(tmp_path: Path, gpus: int, env: dict | None = None) -> subprocess.CompletedProcess:
+    """sky/setup.sh again on the node `run_setup` made under `tmp_path` (its home and venv)."""
+    proc = subprocess.run(
+        ["/bin/bash", str(REPO / "sky" / "setup.sh")], capture_output=True, text=True, timeout=120,
+        env={"PATH": f"{tmp_path / 'node' / 'bin'}:/usr/bin:/bin", "HOME": str(tmp_path / "home"),
+             "MONARCH_SKY_VENV": str(tmp_path / "venv"), "UV_STUB_LOG": str(tmp_path / "uv2.log"),
+             "SKYPILOT_SETUP_NUM_GPUS_PER_NODE": str(gpus), **(env or {})},
+    )
+    proc.output = proc.stdout + proc.stderr
+    return proc
