@@ -173,14 +173,15 @@ class AddressListHosts(HostProvider):
         """A spare if there is one, else the lost node's worker once it is back: on a port
         COMEBACK_PORT_STEP above the lost one (sky/bootstrap.sh moves a restarted worker
         there), since Monarch 0.7.0 never attaches a controller to a new worker at the
-        address of one that died under it."""
+        address of one that died under it. The lost address itself comes last: a job group's
+        relaunched task keeps its name and port on a new pod (its attach is untested)."""
         if self._spares:
             return self._spares.pop(0)
         comebacks = [
             Host(name=f"{lost.name}-p{port}", ip=lost.ip, port=port)
             for port in range(lost.port + COMEBACK_PORT_STEP, 65536, COMEBACK_PORT_STEP)[:COMEBACK_PORTS]
         ]
-        return self._wait_up(*comebacks)
+        return self._wait_up(*comebacks, lost)
 
     def _wait_up(self, *hosts: Host) -> Host:
         """The first of `hosts` whose worker listens (within wait_s)."""
