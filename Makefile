@@ -45,7 +45,7 @@ e2e-sky: $(STAMP) $(SKY_STAMP)
 	bash tools/e2e_sky.sh
 
 # The same on three Slurm nodes (network namespaces on this machine, root): a worker node is lost
-# mid-run and comes back at its address; its group must heal from a peer (E2E_EXPECT=lost: be
+# mid-run and comes back (its worker on a moved port); its group must heal from a peer (E2E_EXPECT=lost: be
 # given up, training ending degraded on the others). Knobs: see tools/e2e_sky_nodes.sh.
 e2e-sky-nodes: $(STAMP) $(SKY_STAMP)
 	bash tools/e2e_sky_nodes.sh

@@ -145,6 +145,20 @@ def cpu_thread_env() -> dict[str, str]:
     return {"OMP_NUM_THREADS": os.environ.get("MONARCH_SKY_OMP_THREADS", "1")}
 
 
+def host_has_gpu_devices(dev: str = "/dev") -> bool:
+    """Whether this host exposes an AMD (kfd) or NVIDIA GPU, asked without importing torch."""
+    return os.path.exists(os.path.join(dev, "kfd")) or os.path.exists(os.path.join(dev, "nvidiactl"))
+
+
+def worker_thread_env() -> None:
+    """Give a CPU host's trainers `cpu_thread_env` from their start: the host's worker sets it
+    in its own environment, which the processes it spawns inherit. OpenMP reads it when torch
+    loads; set only later (`limit_cpu_threads`), it came too late for that."""
+    if not host_has_gpu_devices():
+        for key, value in cpu_thread_env().items():
+            os.environ.setdefault(key, value)
+
+
 def limit_cpu_threads(platform: Platform) -> None:
     """Apply `cpu_thread_env` from inside a trainer process, once it knows its own platform
     (the controller's host may be a CPU node while the trainers' hosts have GPUs)."""

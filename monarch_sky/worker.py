@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from monarch_sky import supervision
+from monarch_sky import platform, supervision
 
 
 def run(address: str, until_shutdown: bool = False) -> None:
@@ -12,6 +12,7 @@ def run(address: str, until_shutdown: bool = False) -> None:
     (node bootstrap); otherwise serve controller after controller until killed.
     """
     supervision.configure_monarch_env()
+    platform.worker_thread_env()
     from monarch.actor import run_worker_loop_forever, run_worker_loop_until_shutdown
 
     serve = run_worker_loop_until_shutdown if until_shutdown else run_worker_loop_forever
