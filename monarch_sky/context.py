@@ -39,6 +39,7 @@ class RunContext:
     progress_lost: list[dict[str, Any]] = field(default_factory=list)  # every state holder failed at once
     background: set[asyncio.Task] = field(default_factory=set)
     finishing: bool = False  # some group reached the target: no more respawns
+    last_failure_at: float = 0.0  # when the latest failure of any group was detected
     start_time: float = field(default_factory=time.monotonic)
 
     def phase(self, text: str) -> None:

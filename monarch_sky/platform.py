@@ -169,3 +169,13 @@ def limit_cpu_threads(platform: Platform) -> None:
     threads = cpu_thread_env()["OMP_NUM_THREADS"]
     os.environ["OMP_NUM_THREADS"] = threads
     torch.set_num_threads(int(threads))
+
+
+def force_sum_reduction(model_parts) -> None:
+    """gloo has no PREMUL_SUM, which FSDP uses to divide gradients in the reduce-scatter."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for model in model_parts:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)

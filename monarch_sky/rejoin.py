@@ -1,7 +1,7 @@
 """Two questions about a new generation rejoining the run, asked by its slot.
 
-- Per-step mode: when to build it? Only once the survivors have committed without it (see
-  `wait_for_survivors_commit`).
+- Per-step mode: when to build it? Only once the survivors have committed without every
+  group that failed so far (see `wait_for_survivors_commit`).
 - DiLoCo: when to join? A new generation heals only at a sync, so it waits until another
   group's next step is a sync, then joins that quorum without training first. Asking
   earlier would wait in the lighthouse past TorchFT's quorum timeout, or take a quorum
@@ -36,14 +36,18 @@ async def wait_for_next_sync(ctx: RunContext, slot) -> bool:
     return not ctx.finishing
 
 
-async def wait_for_survivors_commit(ctx: RunContext, slot, failed_at: float) -> None:
-    """Wait until another group commits a step issued after `failed_at` (bounded).
+async def wait_for_survivors_commit(ctx: RunContext, slot) -> None:
+    """Wait until another group commits a step issued after the latest failure of any
+    group (bounded from that failure).
 
     A new generation's TorchFT manager heartbeats from the moment it is built, and the
-    lighthouse holds back a quorum for every heartbeating group (up to ft.join_timeout_ms):
-    built at once, it makes the survivors wait until it has built and reached its first
-    step. Built after their first commit, it joins their next quorum and heals there.
-    DiLoCo groups commit locally between syncs and never wait for it.
+    lighthouse holds back a quorum for every heartbeating group: built at once, it makes
+    the survivors wait until it has built and reached its first step (with three groups and
+    one survivor, the lighthouse's majority rule forms no quorum at all without it). Built
+    after their first commit, it joins their next quorum and heals there. The gate is the
+    latest failure of any group, not only this slot's: two recoveries that overlap would
+    otherwise build while the other's survivors still regroup. DiLoCo groups commit
+    locally between syncs and never wait for it.
     """
     from monarch_sky.slot import SlotState
 
@@ -51,9 +55,9 @@ async def wait_for_survivors_commit(ctx: RunContext, slot, failed_at: float) -> 
         return
     began = time.monotonic()
     bound = ctx.cfg.ft.heartbeat_timeout_ms / 1000 + 3 * ctx.ledger.median_step_s() + 1.0
-    while time.monotonic() - began < bound and not ctx.finishing:
+    while time.monotonic() - max(began, ctx.last_failure_at) < bound and not ctx.finishing:
         others = [s for s in ctx.slots if s is not slot and s.state is SlotState.TRAINING]
-        if not others or any(s.last_commit_issued > failed_at for s in others):
+        if not others or any(s.last_commit_issued > ctx.last_failure_at for s in others):
             return
         await asyncio.sleep(0.02)
     ctx.record.event("survivors_not_committed", replica=slot.index, waited_s=round(time.monotonic() - began, 3))

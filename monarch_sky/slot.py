@@ -211,6 +211,7 @@ class Slot:
             return
         group.mark_failed(reason)  # wakes the step call waiting on this group
         group.detected = True
+        self.ctx.last_failure_at = max(self.ctx.last_failure_at, at)
         self._note_detection(group.failure, at)
         if self.agent is not None and group.pids:
             # Its live ranks would keep heartbeating to the lighthouse: end them now.
@@ -227,7 +228,7 @@ class Slot:
         self.ctx.display.line(f"[replica {self.index}] failed{tag}: {reason}")
 
     async def recover(self, reason: str) -> None:
-        group, failed_at = self.group, time.monotonic()
+        group = self.group
         self.on_failure(group, reason, time.monotonic())  # the step call may have been first
         self.state, self.group = SlotState.RECOVERING, None
         host_alive = await self._end_generation(group)
@@ -235,7 +236,7 @@ class Slot:
             return
         while True:
             try:
-                await self._come_back(host_alive, failed_at)
+                await self._come_back(host_alive)
                 return
             except Exception as e:  # never let one slot's recovery end the run
                 self.last_failure = describe_error(e)
@@ -259,12 +260,12 @@ class Slot:
             await self._fence(self.host)
         return host_alive
 
-    async def _come_back(self, host_alive: bool, failed_at: float) -> None:
+    async def _come_back(self, host_alive: bool) -> None:
         if not host_alive:  # raises HostError (a restart of this slot) if no host comes
             await self.gens.move_to_new_host()
             self.agent = None
             self.ctx.in_background(self.start_agent())
-        await rejoin.wait_for_survivors_commit(self.ctx, self, failed_at)
+        await rejoin.wait_for_survivors_commit(self.ctx, self)
         if not await self.activate(rejoining=True):
             return
         if self.ctx.finishing:

@@ -69,7 +69,7 @@ class GroupTrainer:
         self.manager = trainer.ft_manager.manager
         self._record_commit_decisions()
         if plat.backend == "gloo":
-            _force_sum_reduction(trainer.model_parts)
+            platform_mod.force_sum_reduction(trainer.model_parts)
         self.state = RankLocalState(trainer, on_load=self._mark_healed)
         self.manager.register_state_dict_fn(STATE_KEY, self.state.load, self.state.state_dict)
         self._context = contextlib.ExitStack()
@@ -284,13 +284,3 @@ class GroupTrainer:
         self.manager.shutdown(wait=False)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-
-
-def _force_sum_reduction(model_parts) -> None:
-    """gloo has no PREMUL_SUM, which FSDP uses to divide gradients in the reduce-scatter."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for model in model_parts:
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_force_sum_reduction_for_comms(True)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from monarch_sky.bench import metrics
+from monarch_sky.bench.outside_chaos import OutsideChaos
 from monarch_sky.bench.runner import RATIOS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,6 +48,35 @@ def test_survivors_resume_before_the_failed_group_rejoins():
     assert times["rejoined_s"] == 7.5 - 2.5
     kinds = metrics.by_kind([("kill", times), ("kill", {**times, "resumed_s": 4.0})])
     assert kinds["kill"]["count"] == 2 and kinds["kill"]["resumed_s"]["max"] == 4.0
+
+
+def test_a_growing_steps_file_is_read_once_and_a_line_waits_for_its_end(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    tail = metrics.JsonlTail(path)
+    assert tail.read() == []
+    path.write_text(json.dumps(line(2, 2)) + "\n" + json.dumps(line(1, 1)) + "\n" + '{"wall": 3, "rep')
+    assert [x["step"] for x in tail.read()] == [1, 2]  # by wall time; the unended line waits
+    with open(path, "a") as f:
+        f.write('lica": -1, "step": 3, "committed": true, "seconds": 1, "loss": 1, "participants": 1}\n')
+    assert [x["step"] for x in tail.read()] == [1, 2, 3]
+    assert metrics.read_jsonl(path) == tail.lines
+
+
+def test_a_restarting_single_job_meets_no_faults_until_it_trains_again(tmp_path):
+    """Checkpoint-restart's fault clock stops while it restarts, so every arm meets faults
+    at the same rate per second of training."""
+    settings = SimpleNamespace(every_s=1000.0, kinds=["kill"], seed=1, replicas=2, procs=1, steps=100)
+    (tmp_path / "steps.jsonl").write_text(json.dumps(line(time.time(), 1)) + "\n")
+    chaos = OutsideChaos(tmp_path, settings, launch_of=None, single_job=True)
+    chaos.tick()
+    first = chaos.next_at
+    time.sleep(0.2)
+    chaos.tick()
+    assert chaos.next_at == first  # training: the clock runs
+    chaos.faults.append({"wall": time.time(), "kind": "kill", "replica": 0, "restarted_wall": None})
+    time.sleep(0.2)
+    chaos.tick()
+    assert chaos.next_at >= first + 0.2  # restarting: the next fault moves with the downtime
 
 
 @pytest.mark.chaos

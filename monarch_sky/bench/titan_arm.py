@@ -251,13 +251,13 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torchtitan.tools.logging import init_logger
 
-    from monarch_sky.trainer import _force_sum_reduction
+    from monarch_sky import platform as platform_mod
 
     init_logger()
     trainer = arm_config(args, cfg, plat).build()
     try:
         if plat.backend == "gloo":
-            _force_sum_reduction(trainer.model_parts)  # the replicas' CPU shim: gloo has no PREMUL_SUM
+            platform_mod.force_sum_reduction(trainer.model_parts)  # the replicas' CPU shim: gloo has no PREMUL_SUM
         if not ft:
             check_layout(trainer, replica)
         StepLog(trainer, args.out / "steps.jsonl", replica if ft else -1, rank == 0, cfg.replicas)
