@@ -1,4 +1,4 @@
-"""`monarch-sky` command line: train, worker, doctor, bench, report, tls-ca, tls-node."""
+"""`monarch-sky` command line: train, worker, doctor, bench, report, tls-ca, tls-node, fetch-tokenizer."""
 
 from __future__ import annotations
 
@@ -44,7 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--out", required=True, help="folder for ca.pem, cert.pem, key.pem (mode 0600)")
     node.add_argument("hosts", nargs="+", metavar="IP_OR_NAME", help="every address this node is dialled by")
 
+    fetch = sub.add_parser("fetch-tokenizer", help="download a hub model's tokenizer (HF_TOKEN) for data.tokenizer_repo")
+    fetch.add_argument("repo", nargs="?", help="hub repository, e.g. meta-llama/Llama-3.1-8B")
+    fetch.add_argument("--recipe", help="fetch what this recipe's data.tokenizer_repo names (none: nothing to do)")
+
     args = parser.parse_args(argv)
+    if args.command == "fetch-tokenizer":
+        return _fetch_tokenizer(args)
     if args.command in ("bench", "report"):
         return _bench_or_report(args)
     if args.command in ("tls-ca", "tls-node"):
@@ -101,6 +107,31 @@ def _tls(args) -> int:
             print(f"monarch-sky: {e}", file=sys.stderr)
             return 2
     print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+    return 0
+
+
+def _fetch_tokenizer(args) -> int:
+    from monarch_sky import hub_assets
+    from monarch_sky.recipes import RECIPES
+
+    repo = args.repo
+    if repo is None and args.recipe is not None:
+        if args.recipe not in RECIPES:
+            print(f"monarch-sky: --recipe: unknown recipe '{args.recipe}'; one of {', '.join(RECIPES)}", file=sys.stderr)
+            return 2
+        repo = RECIPES[args.recipe].job_defaults.get("data", {}).get("tokenizer_repo")
+        if repo is None:
+            print(f"monarch-sky: {args.recipe} trains on its shipped tokenizer: nothing to fetch")
+            return 0
+    if repo is None:
+        print("monarch-sky: fetch-tokenizer: name a hub repository or --recipe", file=sys.stderr)
+        return 2
+    try:
+        path = hub_assets.fetch_tokenizer(repo)
+    except hub_assets.HubAccessError as e:
+        print(f"monarch-sky: {e}", file=sys.stderr)
+        return 2
+    print(f"monarch-sky: {repo}'s tokenizer is in {path}")
     return 0
 
 

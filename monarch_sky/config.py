@@ -34,8 +34,9 @@ class TrainingSettings:
 
 @dataclass
 class DataSettings:
-    tokenizer_path: str = str(ASSETS / "tokenizer")
-    dataset: str = "c4_test"  # torchtitan's local-json loader; "c4" streams from the Hub
+    tokenizer_path: Optional[str] = str(ASSETS / "tokenizer")  # None: where tokenizer_repo was fetched to
+    tokenizer_repo: Optional[str] = None  # the hub repository `monarch-sky fetch-tokenizer` fetches
+    dataset: str = "c4_test"  # torchtitan's local-json loader; "c4", "fineweb_edu" stream from the Hub
     dataset_path: Optional[str] = str(ASSETS / "data")
 
 

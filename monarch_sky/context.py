@@ -94,12 +94,14 @@ class RunContext:
 def trainer_env(cfg, platform=None) -> dict[str, str]:
     """What every trainer process of a job needs in its environment (the bench's arms too,
     which also pass their local `platform` for its CPU thread policy)."""
+    from monarch_sky import hub_assets
+
     env = {
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         "TORCHFT_QUORUM_TIMEOUT_SEC": str(cfg.ft.quorum_timeout_s),
     }
+    if hub_assets.offline(cfg.data):  # local data: nothing may reach for the hub
+        env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
     if platform is not None and platform.is_cpu:
         env.update(platform_mod.cpu_thread_env())
     return env

@@ -51,8 +51,8 @@ class SkyPilotHosts(AddressListHosts):
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(config, f)
         self.launched.append(cluster)
-        # The run's CA travels from this node's environment, never through the YAML file.
-        secrets = [arg for name in TLS_SECRETS if os.environ.get(name) for arg in ("--secret", name)]
+        # The run's CA and the hub token travel from this node's environment, never through the YAML file.
+        secrets = [arg for name in FORWARDED_SECRETS if os.environ.get(name) for arg in ("--secret", name)]
         self._sky("launch", "-y", "--detach-run", "-c", cluster, *secrets, f.name)
         ip = self._sky("status", "--ip", cluster).strip().splitlines()[-1]
         host = Host(name=cluster, ip=ip, port=self.port)
@@ -117,6 +117,7 @@ def load_recipe(path: str) -> dict:
 
 
 TLS_SECRETS = ("MONARCH_SKY_TLS_CA", "MONARCH_SKY_TLS_CA_KEY")  # monarch_sky.tls
+FORWARDED_SECRETS = (*TLS_SECRETS, "HF_TOKEN")  # what a replacement node's setup and worker need
 CLUSTER_INFO_ENV = "SKYPILOT_CLUSTER_INFO"  # {"cluster_name", "cloud", "region", "zone"}
 INFRA_ALIASES = {"k8s": "kubernetes"}
 

@@ -37,6 +37,9 @@ def import_torchtitan():
     import torchtitan.experiments.torchft.trainer  # noqa: F401
     import torchtitan.hf_datasets.text_datasets  # noqa: F401
 
+    from monarch_sky.hub_assets import register_datasets
+
+    register_datasets()
     return plat
 
 

@@ -107,10 +107,21 @@ def validate(config: DictConfig) -> None:
             f"{config.ft.sync_steps}; in diloco mode the run must end on a sync"
         )
     _validate_hosts(config)
-    if not os.path.isdir(config.data.tokenizer_path):
-        raise ConfigError(f"data.tokenizer_path: no such directory '{config.data.tokenizer_path}'")
-    if config.data.dataset_path is not None and not os.path.exists(config.data.dataset_path):
-        raise ConfigError(f"data.dataset_path: no such file or directory '{config.data.dataset_path}'")
+    _validate_data(config.data)
+
+
+def _validate_data(data: DictConfig) -> None:
+    from monarch_sky import hub_assets
+
+    if not data.tokenizer_path and not data.tokenizer_repo:
+        raise ConfigError("data.tokenizer_path: empty; name a tokenizer folder, or a hub repo in data.tokenizer_repo")
+    problem = hub_assets.tokenizer_problem(data)
+    if problem:
+        raise ConfigError(problem)
+    if data.dataset not in hub_assets.DATASETS:
+        raise ConfigError(f"data.dataset: '{data.dataset}' is not one of {', '.join(hub_assets.DATASETS)}")
+    if data.dataset_path is not None and not os.path.exists(os.path.expanduser(data.dataset_path)):
+        raise ConfigError(f"data.dataset_path: no such file or directory '{data.dataset_path}'")
 
 
 def _validate_hosts(config: DictConfig) -> None:

@@ -169,8 +169,16 @@ flock -w "${MONARCH_SKY_SETUP_WAIT_S:-3600}" 8 || die "another node's setup of $
 READY=$VENV/.monarch-sky-ready
 WANT=$(printf '%s|' "$(sha256sum "$SRC/pyproject.toml" | cut -c1-16)" "$GPUS" "${TORCH_SPEC:-}" \
   "$ROCM_INDEX" "$CPU_INDEX" "$PYTHON_VERSION" "$(command -v python3)")
+# A real model's tokenizer (its recipe's data.tokenizer_repo) comes from the hub with the HF_TOKEN
+# secret, before training: a missing or wrong token stops here, with the fix.
+fetch_tokenizer() {
+  [ -n "${RECIPE:-}" ] || return 0
+  "$PY" -m monarch_sky fetch-tokenizer --recipe "$RECIPE" || die "could not fetch the tokenizer of recipe $RECIPE (why: above)"
+}
+
 if [ -f "$READY" ] && [ "$(cat "$READY")" = "$WANT" ] && "$PY" -c 'import monarch_sky' 2> /dev/null; then
   echo "monarch-sky setup: $VENV is ready (set up with the same settings, e.g. by a node sharing this home)"
+  fetch_tokenizer
   exit 0
 fi
 rm -f "$READY"
@@ -190,3 +198,4 @@ write_excludes
 uv_install --excludes "$EXCLUDES" -e "$SRC"  # pyproject.toml lists the rest
 check_stack installed "$FIX"
 echo "$WANT" > "$READY"
+fetch_tokenizer

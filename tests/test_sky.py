@@ -65,7 +65,7 @@ def test_cluster_recipes_ask_skypilot_for_amd_nodes_that_exist(facts, name, reci
     assert not task["job_group"] and task["num_nodes"] == 2
     assert_amd_node(task, memory_gb)
     assert task["envs"]["RECIPE"] == recipe and task["envs"]["RECIPE_YAML"] == f"recipes/{name}"
-    assert task["secret_refs"] == ["WANDB_API_KEY", *TLS_SECRETS]
+    assert task["secret_refs"] == ["WANDB_API_KEY", "HF_TOKEN", *TLS_SECRETS]
 
 
 @pytest.mark.parametrize("label", ["mi300x", "mi300", "mi325x", "mi355x"])
@@ -113,7 +113,7 @@ def test_job_group_recipe_stays_on_one_kubernetes_cluster_and_recovers_lost_grou
     controller, *workers = group["tasks"]
     assert controller["name"] == "controller" and controller["envs"]["MONARCH_SKY_ROLE"] == "controller"
     assert [c["accelerators"] for c in controller["candidates"]] == [{}]
-    assert controller["secret_refs"] == ["WANDB_API_KEY", *TLS_SECRETS] and controller["inline_secrets"] == []
+    assert controller["secret_refs"] == ["WANDB_API_KEY", "HF_TOKEN", *TLS_SECRETS] and controller["inline_secrets"] == []
     assert controller["envs"]["GROUP_TASKS"].split() == [w["name"] for w in workers] and len(workers) >= 2
     for task in group["tasks"]:
         for c in task["candidates"]:
@@ -125,7 +125,8 @@ def test_job_group_recipe_stays_on_one_kubernetes_cluster_and_recovers_lost_grou
         assert all(c["job_recovery"]["recover_on_exit_codes"] == [75] for c in worker["candidates"])
         assert worker["num_nodes"] == 1 and worker["envs"]["MONARCH_SKY_ROLE"] == "worker"
         assert worker["envs"]["WORKER_TASK"] == worker["name"]
-        assert worker["secret_refs"] == list(TLS_SECRETS) and worker["inline_secrets"] == []
+        assert worker["secret_refs"] == ["HF_TOKEN", *TLS_SECRETS] and worker["inline_secrets"] == []
+        assert worker["envs"]["RECIPE"] == controller["envs"]["RECIPE"]  # setup fetches its tokenizer
         # sky/bootstrap.sh advertises and finds each group as $WORKER_TASK-0.$SKYPILOT_JOBGROUP_NAME
         assert group["addresses"][worker["name"]] == f"{worker['name']}-0.{group['name']}"
 

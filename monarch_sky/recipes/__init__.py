@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
+from monarch_sky import hub_assets
 from monarch_sky.recipes import llama3
 
 
@@ -23,7 +24,7 @@ class TrainerSpec:
     steps: int
     seed: int
     training: dict[str, Any]  # seq_len, local_batch_size, lr, warmup_steps
-    data: dict[str, Any]  # tokenizer_path, dataset, dataset_path
+    data: dict[str, Any]  # tokenizer_path (resolved), tokenizer_repo, dataset, dataset_path
     ft: dict[str, Any]  # mode, sync_steps, process_group_timeout_ms, ...
     dump_folder: str
     platform_kind: str  # "cpu" | "rocm" | "cuda"; "" = what the replica's own host has
@@ -39,7 +40,7 @@ class TrainerSpec:
             steps=cfg.steps,
             seed=cfg.seed,
             training=dict(cfg.training),
-            data=dict(cfg.data),
+            data=hub_assets.resolved(cfg.data),
             ft=dict(cfg.ft),
             dump_folder=dump_folder,
             platform_kind=platform_kind,
@@ -57,6 +58,12 @@ class Recipe:
     description: str
     build_trainer: Callable[[TrainerSpec], Any]
     job_defaults: dict[str, Any] = field(default_factory=dict)
+
+
+def hub_data(tokenizer_repo: str) -> dict[str, Any]:
+    """A real model's data: its own tokenizer (fetched on each node during setup, see
+    `monarch_sky.hub_assets`) and C4, streamed from the hub."""
+    return {"tokenizer_path": None, "tokenizer_repo": tokenizer_repo, "dataset": "c4", "dataset_path": None}
 
 
 RECIPES: dict[str, Recipe] = {
@@ -92,6 +99,7 @@ RECIPES: dict[str, Recipe] = {
             "procs_per_replica": 8,
             "steps": 1000,
             "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 3e-4, "warmup_steps": 200},
+            "data": hub_data("meta-llama/Llama-3.1-8B"),
         },
     ),
     "llama3_70b": Recipe(
@@ -103,6 +111,7 @@ RECIPES: dict[str, Recipe] = {
             "procs_per_replica": 8,
             "steps": 1000,
             "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 1.5e-4, "warmup_steps": 200},
+            "data": hub_data("meta-llama/Llama-3.1-70B"),
         },
     ),
 }

@@ -1,0 +1,107 @@
+"""A cloud run's tokenizer and training text, from the Hugging Face Hub.
+
+The local default trains offline on the shipped assets. A cloud recipe names the hub
+repository its tokenizer comes from (`data.tokenizer_repo`); `sky/setup.sh` fetches it once
+per node (`monarch-sky fetch-tokenizer`) with the HF_TOKEN secret into `tokenizer_dir(repo)`,
+and training streams its text from the hub through TorchTitan's dataset loaders ("c4", and
+"fineweb_edu", registered here the way TorchTitan's docs/datasets.md says to add one). The
+hub is forced offline only when the data is a local folder.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import partial
+from pathlib import Path
+
+TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]
+# TorchTitan's own datasets, and the one `register_datasets` adds.
+DATASETS = ("c4_test", "c4", "c4_validation", "fineweb_edu")
+CACHE_ENV = "MONARCH_SKY_CACHE"  # where fetched tokenizers live (default ~/.cache/monarch-sky)
+
+
+class HubAccessError(RuntimeError):
+    """The hub refused or could not be reached; the message names the fix."""
+
+
+def tokenizer_dir(repo: str) -> Path:
+    root = Path(os.environ.get(CACHE_ENV) or "~/.cache/monarch-sky").expanduser()
+    return root / "tokenizers" / repo
+
+
+def tokenizer_path(data) -> str:
+    """The folder a job's tokenizer is read from: `data.tokenizer_path`, else where
+    `fetch-tokenizer` puts `data.tokenizer_repo`."""
+    if data.tokenizer_path:
+        return str(Path(data.tokenizer_path).expanduser())
+    return str(tokenizer_dir(data.tokenizer_repo))
+
+
+def resolved(data) -> dict:
+    """A job's data settings as a trainer reads them: both paths made absolute."""
+    path = data.dataset_path and str(Path(data.dataset_path).expanduser())
+    return {**data, "tokenizer_path": tokenizer_path(data), "dataset_path": path}
+
+
+def tokenizer_problem(data) -> str | None:
+    """Why a job's tokenizer cannot be loaded, with the fix; None if it can."""
+    path = Path(tokenizer_path(data))
+    if (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file():
+        return None
+    if data.tokenizer_repo and not data.tokenizer_path:
+        return (f"data.tokenizer_repo: {data.tokenizer_repo}'s tokenizer is not at {path}; fetch it with "
+                f"`HF_TOKEN=... monarch-sky fetch-tokenizer {data.tokenizer_repo}` (sky/setup.sh does this on the cloud)")
+    return (f"data.tokenizer_path: {path} has no tokenizer.json and tokenizer_config.json; point it at a "
+            f"Hugging Face tokenizer folder, or set data.tokenizer_repo and run `monarch-sky fetch-tokenizer`")
+
+
+def offline(data) -> bool:
+    """Whether trainers must keep off the hub: their data is a local folder (the shipped
+    default, a bucket mount). Streaming a hub dataset needs it on."""
+    return bool(data.dataset_path) and Path(data.dataset_path).expanduser().exists()
+
+
+def fetch_tokenizer(repo: str, dest: Path | None = None) -> Path:
+    """Download `repo`'s tokenizer files with HF_TOKEN (skipped when already there)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    dest = dest or tokenizer_dir(repo)
+    token = os.environ.get("HF_TOKEN") or None
+    page = f"https://huggingface.co/{repo}"
+    try:
+        snapshot_download(repo, allow_patterns=TOKENIZER_FILES, local_dir=dest, token=token)
+    except GatedRepoError as e:
+        who = "the HF_TOKEN given has no access" if token else "no HF_TOKEN was given"
+        raise HubAccessError(f"HF_TOKEN: {repo} is gated and {who}; fix: accept its license at {page} "
+                             f"and pass a token of that account (sky launch ... --secret HF_TOKEN)") from e
+    except RepositoryNotFoundError as e:
+        why = "or HF_TOKEN is not a valid token" if token else "or it is private and no HF_TOKEN was given"
+        raise HubAccessError(f"data.tokenizer_repo: {repo} was not found on the hub {why}; fix: check the "
+                             f"name at {page} and pass --secret HF_TOKEN") from e
+    except HfHubHTTPError as e:
+        raise HubAccessError(f"HF_TOKEN: the hub refused {repo} ({e.response.status_code}); fix: check the token") from e
+    except OSError as e:  # no route to the hub (LocalEntryNotFoundError, connection errors)
+        raise HubAccessError(f"cannot fetch {repo}'s tokenizer from the hub: {e}; fix: check the node's "
+                             f"internet access, or copy a tokenizer folder and set data.tokenizer_path") from e
+    if not (dest / "tokenizer.json").is_file():
+        raise HubAccessError(f"data.tokenizer_repo: {repo} has no tokenizer.json; fix: name a repository "
+                             f"with a Hugging Face tokenizer (e.g. meta-llama/Llama-3.1-8B)")
+    return dest
+
+
+def register_datasets() -> None:
+    """Add FineWeb-Edu (parquet, its 10B-token sample) to TorchTitan's dataset table."""
+    from datasets import load_dataset
+    from torchtitan.hf_datasets import DatasetConfig
+    from torchtitan.hf_datasets.text_datasets import DATASETS
+
+    DATASETS.setdefault("fineweb_edu", DatasetConfig(
+        path="HuggingFaceFW/fineweb-edu",
+        loader=partial(_stream, load_dataset, "sample-10BT"),
+        sample_processor=lambda sample: sample["text"],
+    ))
+
+
+def _stream(load_dataset, name: str, path: str):
+    return load_dataset(path, name=name, split="train", streaming=True)
