@@ -51,6 +51,7 @@ class FTSettings:
     quorum_tick_ms: int = 100
     join_timeout_ms: int = 10000
     quorum_timeout_s: int = 60  # a group waiting this long for a TorchFT quorum fails its step
+    timeout_s: int = 60  # TorchFT's manager timeout: each read of a heal transfer, should_commit
     max_restarts: int = 3  # respawns of one replica group before it is given up
     standby: bool = True  # keep a warm spare process set per group: recovery skips imports
 

@@ -99,6 +99,7 @@ def trainer_env(cfg, platform=None) -> dict[str, str]:
     env = {
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         "TORCHFT_QUORUM_TIMEOUT_SEC": str(cfg.ft.quorum_timeout_s),
+        "TORCHFT_TIMEOUT_SEC": str(cfg.ft.timeout_s),
     }
     if hub_assets.offline(cfg.data):  # local data: nothing may reach for the hub
         env.update({"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from monarch_sky import platform as platform_mod
-from monarch_sky import supervision, tls
+from monarch_sky import heal_budget, supervision, tls
 from monarch_sky.config import Job
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog
@@ -58,6 +58,7 @@ class Controller:
     async def run(self) -> dict[str, Any]:
         ctx = self.ctx
         loop = asyncio.get_running_loop()
+        self._budget_heals()
         try:
             self._start_lighthouse()
             ctx.router = supervision.FailureRouter(
@@ -94,6 +95,19 @@ class Controller:
         injector = self.ctx.injector
         training = sum(s.active for s in self.slots)
         return StatusCounts(len(self.slots), training, len(injector.records), injector.recovered())
+
+    def _budget_heals(self) -> None:
+        """Timeouts a heal of this model needs (heal_budget): GPU rates off this machine."""
+        ctx = self.ctx
+        kind = ctx.platform.kind if ctx.cfg.hosts.provider == "local" else "rocm"
+        budget = heal_budget.apply(ctx.cfg, kind)
+        ctx.record.event("heal_budget", **budget)
+        if budget["over_http_lock"]:
+            ctx.display.line(
+                f"[run] warning: a heal sends {budget['bytes_per_rank'] / 1e9:.0f} GB per rank, budgeted "
+                f"{budget['heal_s']:.0f}s over TorchFT's HTTP transport, past the 60s its serving side may hold "
+                f"its lock: the serving group's step can fail (README: Healing at scale)"
+            )
 
     def _start_lighthouse(self) -> None:
         from torchft.coordination import LighthouseServer

@@ -29,10 +29,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
+def _nbytes(state: Any) -> int:
+    """Bytes of the tensors in a (nested) state: what a heal carried."""
+    if torch.is_tensor(state):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(_nbytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(_nbytes(v) for v in state)
+    return 0
+
+
 class RankLocalState:
     """Register with `manager.register_state_dict_fn(STATE_KEY, s.load, s.state_dict)`."""
 
-    def __init__(self, trainer, on_load: Callable[[], None] = lambda: None):
+    def __init__(self, trainer, on_load: Callable[[int], None] = lambda nbytes: None):
         self._trainer = trainer
         self._on_load = on_load
         self._params = {
@@ -82,4 +93,4 @@ class RankLocalState:
             for group, saved in zip(opt.param_groups, groups, strict=True):
                 group.update(saved)
         trainer.ntokens_seen = state["ntokens_seen"]
-        self._on_load()
+        self._on_load(_nbytes(state))

@@ -29,6 +29,8 @@ class FaultRecord:
     rejoined_at: float | None = None  # the respawned group committed a step with the others
     recovered_from: str | None = None  # "peer": weights from another group; "in place": no respawn
     steps_while_down: set[int] = field(default_factory=set)  # committed without the group
+    heal_bytes: int = 0  # the state the respawned group received from a peer
+    heal_step_s: float | None = None  # how long its step that received it took (transfer included)
 
     def seconds(self, at: float | None) -> float | None:
         return None if at is None else round(at - self.injected_at, 3)
@@ -44,6 +46,8 @@ class FaultRecord:
             "rejoined_s": self.seconds(self.rejoined_at),
             "recovered_from": self.recovered_from,
             "steps_while_down": len(self.steps_while_down),
+            "heal_bytes": self.heal_bytes,
+            "heal_step_s": self.heal_step_s,
         }
 
 
@@ -118,10 +122,12 @@ class FaultInjector:
                 rec.resumed_at = now
                 self.record.event("survivors_resumed", replica=rec.fault.replica, seconds=rec.seconds(now))
 
-    def rejoined(self, replica: int, source: str, now: float) -> list[FaultRecord]:
+    def rejoined(self, replica: int, source: str, now: float, heal: tuple[int, float | None] = (0, None)) -> list[FaultRecord]:
+        """`heal`: (bytes, seconds) of the step in which the group received the state."""
         faults = self.open_faults(replica)
         for rec in faults:
             rec.rejoined_at, rec.recovered_from = now, source
+            rec.heal_bytes, rec.heal_step_s = heal
             self.tracker.note({"fault/rejoined_s": rec.seconds(now)})
         return faults
 

@@ -52,6 +52,7 @@ class Slot:
         self.in_flight_since: float | None = None  # when the step call now running was issued
         self.last_failure: str | None = None  # why the last recovery attempt failed
         self.last_commit_issued = 0.0  # when the last step this slot committed across groups was issued
+        self.heal: tuple[int, float | None] = (0, None)  # bytes, seconds of this generation's healing step
 
     @property
     def host(self) -> Host:
@@ -165,6 +166,8 @@ class Slot:
         self.step = r.step
         self.uncommitted += not r.committed
         self.data_states = r.data_states or self.data_states
+        if r.healed_now:
+            self.heal = (r.heal_bytes, round(r.seconds, 3))
         ctx.ledger.add(r, now)
         if self.state is SlotState.REJOINING and not r.committed:
             ctx.record.event("rejoin_step_not_committed", replica=self.index, step=r.step, healed=r.healed)
@@ -187,12 +190,15 @@ class Slot:
             return
         self.state = SlotState.TRAINING
         source = "peer" if r.healed and behind == rejoin.Behind.NO else "scratch"
-        faults = self.ctx.injector.rejoined(self.index, source, now)
+        (nbytes, seconds), self.heal = self.heal, (0, None)
+        faults = self.ctx.injector.rejoined(self.index, source, now, (nbytes, seconds))
         self.ctx.record.event(
-            "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source
+            "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source,
+            heal_bytes=nbytes, heal_step_s=seconds,
         )
         after = "".join(f", {rec.seconds(now):.2f}s after the {rec.fault.kind}" for rec in faults)
-        self.ctx.display.line(f"[replica {self.index}] rejoined at step {r.step}{after} (weights from {source})")
+        carried = f", {nbytes / 1e6:.1f} MB in a {seconds:.2f}s step" if nbytes else ""
+        self.ctx.display.line(f"[replica {self.index}] rejoined at step {r.step}{after} (weights from {source}{carried})")
         self.gens.refill_standby()
 
     def kill_host(self) -> None:

@@ -23,6 +23,7 @@ class StepResult:
     healed: bool  # this generation has loaded state live from a peer (in this or an earlier step)
     healed_now: bool  # ... in this step
     seconds: float
+    heal_bytes: int = 0  # bytes of state the group's ranks received from a peer in this step
     # Per rank (rank order): the dataloader state at the last point whose training stands;
     # the group's next generation continues its data exactly there.
     data_states: tuple = ()
@@ -41,6 +42,7 @@ def combine(per_rank: list[StepResult]) -> StepResult:
         loss=None if healed_now else first.loss,
         healed=any(r.healed for r in per_rank),
         healed_now=healed_now,
+        heal_bytes=sum(r.heal_bytes for r in per_rank),
         seconds=max(r.seconds for r in per_rank),
         data_states=tuple(state for r in per_rank for state in r.data_states),
     )

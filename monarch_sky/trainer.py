@@ -53,6 +53,7 @@ class GroupTrainer:
         self.platform = plat
         self._healed = False  # some step of this generation loaded state from a peer
         self._healed_now = False
+        self._heal_bytes = 0  # what this rank received from a peer since the last step result
         # A group that joins a running job holds fresh weights until its first commit.
         self._rejoining = rejoining
         self._joined = not rejoining
@@ -112,8 +113,9 @@ class GroupTrainer:
             for fragment in self._fragments:
                 fragment.restore_parameters()
 
-    def _mark_healed(self) -> None:
+    def _mark_healed(self, nbytes: int) -> None:
         self._healed = self._healed_now = True
+        self._heal_bytes += nbytes
 
     def _record_commit_decisions(self) -> None:
         """Keep what `should_commit` returned: TorchFT's commit decision, agreed across the
@@ -192,6 +194,7 @@ class GroupTrainer:
             participants=manager.num_participants(),
             healed=self._healed,
             healed_now=healed_now,
+            heal_bytes=self._take_heal_bytes(),
             seconds=time.perf_counter() - start,
             data_states=(self._data.kept,),
         )
@@ -236,9 +239,14 @@ class GroupTrainer:
             participants=self.manager.num_participants(),
             healed=self._healed,
             healed_now=healed_now,
+            heal_bytes=self._take_heal_bytes(),
             seconds=time.perf_counter() - start,
             data_states=(self._data.kept,),
         )
+
+    def _take_heal_bytes(self) -> int:
+        nbytes, self._heal_bytes = self._heal_bytes, 0
+        return nbytes
 
     def _account(self, decision: bool | None) -> bool:
         """Whether this step's update stands. `decision`: TorchFT's, None if no quorum ran."""

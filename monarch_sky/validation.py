@@ -41,6 +41,7 @@ MORE_THAN_ZERO = (  # a zero timeout or tick fails every wait, or never ends one
     "ft.quorum_tick_ms",
     "ft.join_timeout_ms",
     "ft.quorum_timeout_s",
+    "ft.timeout_s",
     "timeouts.spawn_s",
     "timeouts.step_s",
     "timeouts.stop_s",

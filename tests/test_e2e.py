@@ -13,6 +13,8 @@ import sys
 
 from conftest import REPO, Run, cli_env, leftovers, new_tag, train
 
+from monarch_sky.recipes import RECIPES
+
 CHECKPOINT_MARKS = ("checkpoint", ".distcp", ".safetensors", ".pt")
 
 
@@ -29,6 +31,11 @@ def assert_recovered(run: Run, kind: str, replica: int, replicas: int) -> dict:
     assert fault["survivors_resumed_s"] is not None
     assert fault["rejoined_s"] is not None
     assert fault["recovered_from"] == "peer"
+    # The heal carried the whole training state: 4 bytes of parameter and 8 of AdamW moments per
+    # parameter (plus the optimizers' step counters), split over the group's ranks.
+    params = RECIPES[s["recipe"]].params
+    assert 12 * params <= fault["heal_bytes"] < 12 * params + 4096, fault["heal_bytes"]
+    assert fault["heal_step_s"] > 0
     digests = s["final_param_digest"]
     assert sorted(digests) == [str(i) for i in range(replicas)]
     assert len(set(digests.values())) == 1, f"replicas ended with different weights: {digests}"

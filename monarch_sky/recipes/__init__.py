@@ -57,6 +57,8 @@ class Recipe:
     name: str
     description: str
     build_trainer: Callable[[TrainerSpec], Any]
+    params: int  # the model's parameter count (tests/test_heal_budget.py builds the model to check)
+    largest_param: int  # its largest parameter tensor's elements (the embedding: vocabulary x width)
     job_defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -71,6 +73,8 @@ RECIPES: dict[str, Recipe] = {
         name="llama3_tiny",
         description="4-layer, 128-dim llama3 for CPU runs and tests (the local default)",
         build_trainer=llama3.tiny,
+        params=935_040,
+        largest_param=65_536,
         job_defaults={
             "replicas": 3,
             "procs_per_replica": 2,
@@ -83,6 +87,8 @@ RECIPES: dict[str, Recipe] = {
         name="llama3_debug",
         description="TorchTitan's llama3 debug model (6 layers, 256 dim): smoke tests on any node",
         build_trainer=llama3.debug,
+        params=6_163_712,
+        largest_param=524_288,
         job_defaults={
             "replicas": 2,
             "procs_per_replica": 1,
@@ -94,6 +100,8 @@ RECIPES: dict[str, Recipe] = {
         name="llama3_8b",
         description="Llama 3 8B, FSDP over 8 GPUs per replica group",
         build_trainer=llama3.llama3_8b,
+        params=8_030_261_248,
+        largest_param=525_336_576,
         job_defaults={
             "replicas": 2,
             "procs_per_replica": 8,
@@ -106,6 +114,8 @@ RECIPES: dict[str, Recipe] = {
         name="llama3_70b",
         description="Llama 3 70B, FSDP over 8 GPUs per replica group (MI300X/MI325X/MI355X memory)",
         build_trainer=llama3.llama3_70b,
+        params=70_553_706_496,
+        largest_param=1_050_673_152,
         job_defaults={
             "replicas": 2,
             "procs_per_replica": 8,

@@ -1,0 +1,172 @@
+"""Heal budgets: how long a heal may take, and the timeouts that must let it finish.
+
+A rejoining group receives each rank's shard of the training state from a healthy peer:
+fp32 parameters plus AdamW's two fp32 moments, 12 bytes a parameter, split over the
+group's ranks by FSDP (8B over 8 ranks: ~12 GB a rank; 70B: ~106 GB). The configured
+timeouts are sized for the CPU demo, whose heal takes well under a second. Here they are
+derived from the model's size and a measured transport rate, never below today's defaults.
+
+The timeouts a heal runs under (torchft 0.2.0, `torchft/manager.py`):
+- The manager's `timeout` (TORCHFT_TIMEOUT_SEC, 60 s by default, :251) is what
+  `send_checkpoint`/`recv_checkpoint` get (:762, :796): for HTTP a socket-read timeout
+  (http_transport.py:159), for a process group each tensor's wait (pg_transport.py:229-304).
+  It also bounds `should_commit`'s RPC (:907), a barrier over the group's ranks that a
+  rank reaches only after its part of the heal.
+- The whole HTTP transfer is bounded elsewhere: the serving peer streams under a read lock
+  (http_transport.py:84) that its own `should_commit` must take (:925) within the lock's
+  timeout: the Manager's constructor `timeout` (:278), which torchtitan leaves at 60 s
+  (torchtitan/experiments/torchft/manager.py:113) and no environment variable changes.
+  An HTTP heal longer than that fails the *serving* group's step.
+- TORCHFT_QUORUM_TIMEOUT_SEC (`ft.quorum_timeout_s`) bounds only the quorum RPC (:649);
+  a quorum may wait on a peer group still in a step that serves or receives a heal.
+- `ft.process_group_timeout_ms` bounds each collective; over PGTransport a tensor is one
+  send. It stays short: it is also how long a collective waits on a dead peer. While a group
+  heals, the others' all-reduce waits on it and fails at this timeout: one lost step
+  (torchft's own "TODO: increase timeout when waiting when healing", :454).
+
+Transports (`torchft/checkpointing/`): HTTPTransport, TorchFT's default and the only one
+torchtitan wires, copies the sender's whole state to host memory and serves it; the receiver
+loads it into host memory, then onto the device. PGTransport sends tensor by tensor over a
+process group, with no lock; over gloo it too stages through host memory on a GPU host, and
+was measured 1.3-1.7x faster than HTTP there. Over NCCL/RCCL, receiving in place, it would
+skip host memory, but no rate was measured (one GPU cannot hold two NCCL ranks), so it is
+never chosen. The choice: HTTP while its budgeted heal fits torchft's fixed 60 s lock,
+else PGTransport over gloo, which must then be wired into the TorchFT Manager.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass
+
+from monarch_sky.config import FTSettings, TimeoutSettings
+
+BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
+SAFETY = 2.0  # a heal is budgeted twice its measured transfer time
+FIXED_S = 10.0  # connect, metadata RPC, process group setup, load into the parameters
+TORCHFT_TIMEOUT_S = 60  # torchft Manager's default `timeout` (manager.py:169)
+HTTP_LOCK_S = 60.0  # the HTTP server's lock timeout, fixed by torchtitan (see above)
+GB = 1e9
+# Low end of each measured range, bytes/s (docs/gpu-check/README.md): GPU state on an
+# H200 host at 1-8.5 GB; CPU state on the 2-core development machine at 64-256 MiB.
+RATES = {
+    "gpu": {"http": 0.41 * GB, "pg_gloo": 0.69 * GB},
+    "cpu": {"http": 0.83 * GB, "pg_gloo": 0.35 * GB},
+}
+HOSTS = {"cpu": "cpu", "rocm": "gpu", "cuda": "gpu"}
+
+
+@dataclass(frozen=True)
+class HealBudget:
+    heal_s: float  # budgeted transfer, safety factor and fixed costs included
+    ft_timeout_s: int  # TORCHFT_TIMEOUT_SEC
+    quorum_timeout_s: int  # ft.quorum_timeout_s (TORCHFT_QUORUM_TIMEOUT_SEC)
+    process_group_timeout_ms: int  # ft.process_group_timeout_ms
+    step_s: float  # timeouts.step_s: a step that waits its quorum, then heals
+    healing_step_s: float  # a step that heals or serves a heal is not hung before this
+
+
+def params_of(recipe: str) -> int:
+    """The parameter count of a recipe's model (the recipe says it; the tests build it)."""
+    from monarch_sky.recipes import RECIPES
+
+    return RECIPES[recipe].params
+
+
+@functools.lru_cache(maxsize=None)
+def built_sizes(recipe: str) -> tuple[int, int]:
+    """(all parameters, the largest one) of the model the recipe's own config builder
+    makes, built on the meta device: no memory, the real shapes."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from monarch_sky import platform as platform_mod
+    from monarch_sky.config import JobConfig
+    from monarch_sky.recipes import RECIPES, TrainerSpec
+
+    platform_mod.prepare_torchtitan(platform_mod.detect())  # before torchtitan's first import
+    cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), RECIPES[recipe].job_defaults, {"recipe": recipe})
+    spec = TrainerSpec.from_job(cfg, replica=0, dump_folder="", platform_kind="cpu")
+    with torch.device("meta"):
+        model = RECIPES[recipe].build_trainer(spec).model_spec.model.build()
+    sizes = [p.numel() for p in model.parameters()]
+    return sum(sizes), max(sizes)
+
+
+def _largest_of(recipe: str) -> int:
+    """The largest parameter (the embedding or output layer): vocabulary x model width."""
+    from monarch_sky.recipes import RECIPES
+
+    return RECIPES[recipe].largest_param
+
+
+def state_bytes_per_rank(params: int, ranks_per_group: int) -> int:
+    """Bytes one rank receives in a heal: its FSDP shard of parameters and AdamW moments."""
+    return math.ceil(params * BYTES_PER_PARAM / ranks_per_group)
+
+
+def heal_seconds(bytes_per_rank: int, rate_bytes_per_s: float) -> float:
+    return SAFETY * bytes_per_rank / rate_bytes_per_s + FIXED_S
+
+
+def choose_transport(platform_kind: str, bytes_per_rank: int) -> str:
+    """HTTP while its heal fits the lock torchft holds it to, else PGTransport over gloo."""
+    http_rate = RATES[HOSTS[platform_kind]]["http"]
+    return "http" if heal_seconds(bytes_per_rank, http_rate) <= HTTP_LOCK_S else "pg_gloo"
+
+
+def derive(
+    bytes_per_rank: int, rate_bytes_per_s: float, median_step_s: float, largest_tensor_bytes: int = 0
+) -> HealBudget:
+    """The timeouts a heal of `bytes_per_rank` at `rate_bytes_per_s` needs, with training
+    steps of `median_step_s` (0 before any was measured)."""
+    ft, timeouts = FTSettings(), TimeoutSettings()
+    heal_s = heal_seconds(bytes_per_rank, rate_bytes_per_s)
+    quorum_s = max(ft.quorum_timeout_s, math.ceil(heal_s + median_step_s))
+    tensor_ms = math.ceil(1000 * SAFETY * largest_tensor_bytes / rate_bytes_per_s)
+    return HealBudget(
+        heal_s=round(heal_s, 1),
+        ft_timeout_s=max(TORCHFT_TIMEOUT_S, math.ceil(heal_s)),
+        quorum_timeout_s=quorum_s,
+        process_group_timeout_ms=max(ft.process_group_timeout_ms, tensor_ms),
+        step_s=max(timeouts.step_s, float(math.ceil(quorum_s + heal_s + median_step_s))),
+        healing_step_s=max(timeouts.hang_s, float(math.ceil(heal_s + median_step_s))),
+    )
+
+
+def describe(
+    recipe: str, procs_per_replica: int, platform_kind: str, median_step_s: float = 0.0, transport: str = ""
+) -> dict:
+    """A heal budget for the run record and the README (`transport`: override the choice,
+    e.g. "http" for what is wired today)."""
+    params, largest = params_of(recipe), _largest_of(recipe)
+    nbytes = state_bytes_per_rank(params, procs_per_replica)
+    transport = transport or choose_transport(platform_kind, nbytes)
+    rate = RATES[HOSTS[platform_kind]][transport]
+    largest_bytes = math.ceil(largest / procs_per_replica) * 4  # one fp32 shard
+    budget = derive(nbytes, rate, median_step_s, largest_tensor_bytes=largest_bytes)
+    return {
+        "recipe": recipe,
+        "params": params,
+        "ranks_per_group": procs_per_replica,
+        "bytes_per_rank": nbytes,
+        # HTTP and PGTransport over gloo stage the whole state in host memory, both ends
+        "host_bytes_per_group": nbytes * procs_per_replica,
+        "transport": transport,
+        "rate_bytes_per_s": rate,
+        **asdict(budget),
+    }
+
+
+def apply(cfg, platform_kind: str) -> dict:
+    """Raise the timeouts a heal runs under to what this job's model needs (never lower
+    them), and return the budget for the run record. The transport is HTTP: torchtitan
+    wires no other into TorchFT's manager (`choose_transport` says what would be better)."""
+    info = describe(cfg.recipe, cfg.procs_per_replica, platform_kind, transport="http")
+    info["transport_advised"] = choose_transport(platform_kind, info["bytes_per_rank"])
+    info["over_http_lock"] = info["heal_s"] > HTTP_LOCK_S
+    cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])
+    cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, info["quorum_timeout_s"])
+    cfg.timeouts.step_s = max(cfg.timeouts.step_s, info["step_s"])
+    return info

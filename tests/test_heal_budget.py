@@ -1,0 +1,129 @@
+"""Heal budgets: model sizes from the recipes, and timeouts that grow with them.
+
+The model sizes come from torchtitan, built on the meta device in a fresh interpreter
+(the CPU shims must apply before torchtitan is first imported); the rest is arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, cli_env
+from monarch_sky.config import FTSettings, TimeoutSettings
+from monarch_sky.heal_budget import (
+    RATES, TORCHFT_TIMEOUT_S, choose_transport, derive, state_bytes_per_rank,
+)
+
+DESCRIBE = """
+import json
+from monarch_sky.heal_budget import built_sizes, describe
+out = {r: describe(r, n, k) for r, n, k in [("llama3_tiny", 2, "cpu"), ("llama3_8b", 8, "rocm"), ("llama3_70b", 8, "rocm")]}
+for r in list(out):
+    out[r]["built"] = built_sizes(r)
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def described() -> dict:
+    proc = subprocess.run(
+        [sys.executable, "-c", DESCRIBE], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def today(budget) -> dict:
+    """The budget's values next to the defaults they replace."""
+    ft, timeouts = FTSettings(), TimeoutSettings()
+    return {
+        "quorum_timeout_s": (budget["quorum_timeout_s"], ft.quorum_timeout_s),
+        "process_group_timeout_ms": (budget["process_group_timeout_ms"], ft.process_group_timeout_ms),
+        "step_s": (budget["step_s"], timeouts.step_s),
+        "ft_timeout_s": (budget["ft_timeout_s"], TORCHFT_TIMEOUT_S),
+        "healing_step_s": (budget["healing_step_s"], timeouts.hang_s),
+    }
+
+
+@pytest.mark.parametrize("recipe,expected", [("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9)])
+def test_params_match_the_published_model_sizes(described, recipe, expected):
+    assert abs(described[recipe]["params"] / expected - 1) < 0.02
+
+
+@pytest.mark.parametrize("recipe", ["llama3_tiny", "llama3_8b", "llama3_70b"])
+def test_a_recipes_stated_size_is_the_size_of_the_model_it_builds(described, recipe):
+    from monarch_sky.recipes import RECIPES
+
+    assert described[recipe]["built"] == [RECIPES[recipe].params, RECIPES[recipe].largest_param]
+
+
+def test_an_8b_rank_receives_about_12_gb():
+    assert abs(state_bytes_per_rank(8_030_000_000, 8) / 12.0e9 - 1) < 0.01
+    assert state_bytes_per_rank(1000, 3) == 4000
+
+
+def test_the_tiny_recipe_keeps_todays_defaults(described):
+    tiny = described["llama3_tiny"]
+    assert tiny["transport"] == "http"
+    for name, (value, default) in today(tiny).items():
+        if name != "healing_step_s":  # a new allowance; the config's hang_s stays
+            assert value == default, name
+    assert tiny["healing_step_s"] <= 15
+
+
+def test_big_models_heal_over_a_process_group_with_longer_timeouts(described):
+    b8, b70 = described["llama3_8b"], described["llama3_70b"]
+    assert b8["transport"] == b70["transport"] == "pg_gloo"  # HTTP would outlast torchft's lock
+    assert b70["heal_s"] > 2 * b70["bytes_per_rank"] / RATES["gpu"]["pg_gloo"]
+    for name, (value, default) in today(b70).items():
+        assert value >= today(b8)[name][0] >= default, name
+    assert b70["ft_timeout_s"] > TORCHFT_TIMEOUT_S and b70["quorum_timeout_s"] > FTSettings().quorum_timeout_s
+    assert b70["quorum_timeout_s"] < b70["step_s"]  # config validation's rule
+
+
+@pytest.mark.parametrize("median_step_s", [0.0, 1.0, 30.0])
+def test_timeouts_grow_with_the_state_and_never_drop_below_the_defaults(median_step_s):
+    rate = RATES["gpu"]["http"]
+    budgets = [derive(int(gb * 1e9), rate, median_step_s, largest_tensor_bytes=int(gb * 1e8))
+               for gb in (0.001, 1, 12, 106, 1000)]
+    ft, timeouts = FTSettings(), TimeoutSettings()
+    for smaller, larger in zip(budgets, budgets[1:]):
+        for name, value in vars(smaller).items():
+            assert getattr(larger, name) >= value, name
+    for b in budgets:
+        assert b.quorum_timeout_s >= ft.quorum_timeout_s and b.ft_timeout_s >= TORCHFT_TIMEOUT_S
+        assert b.process_group_timeout_ms >= ft.process_group_timeout_ms
+        assert b.step_s >= timeouts.step_s and b.healing_step_s >= timeouts.hang_s
+        assert b.quorum_timeout_s < b.step_s
+        assert b.healing_step_s >= b.heal_s + median_step_s
+    assert budgets[-1].process_group_timeout_ms > ft.process_group_timeout_ms  # a 100 GB tensor
+
+
+def test_http_only_while_it_fits_torchfts_lock():
+    assert choose_transport("cpu", 10**6) == choose_transport("rocm", 10**6) == "http"
+    assert choose_transport("rocm", 12 * 10**9) == choose_transport("cuda", 12 * 10**9) == "pg_gloo"
+    assert choose_transport("cpu", 100 * 10**9) == "pg_gloo"
+
+
+def test_a_big_job_gets_its_heal_timeouts_raised_and_a_tiny_one_keeps_its_own():
+    from omegaconf import OmegaConf
+
+    from monarch_sky.config import JobConfig
+    from monarch_sky.heal_budget import apply
+    from monarch_sky.recipes import RECIPES
+
+    def job(recipe, **overrides):
+        return OmegaConf.merge(OmegaConf.structured(JobConfig), RECIPES[recipe].job_defaults, {"recipe": recipe}, overrides)
+
+    tiny = job("llama3_tiny", timeouts={"step_s": 240.0})
+    assert not apply(tiny, "cpu")["over_http_lock"]
+    assert (tiny.ft.timeout_s, tiny.ft.quorum_timeout_s, tiny.timeouts.step_s) == (60, 60, 240.0)  # never lowered
+    big = job("llama3_70b")
+    budget = apply(big, "rocm")
+    assert budget["transport"] == "http" and budget["transport_advised"] == "pg_gloo" and budget["over_http_lock"]
+    assert big.ft.timeout_s == budget["ft_timeout_s"] > 60
+    assert big.ft.quorum_timeout_s == budget["quorum_timeout_s"] < big.timeouts.step_s == budget["step_s"]
