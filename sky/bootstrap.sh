@@ -29,8 +29,8 @@
 #
 # Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE
 # (and SKYPILOT_JOBGROUP_NAME in job groups) and the task envs: RECIPE, REPLICAS_PER_NODE,
-# PROCS_PER_REPLICA (CPU nodes), WORKER_PORT, MONARCH_SKY_ARGS (extra `monarch-sky train`
-# overrides), MONARCH_SKY_PY (the python with monarch_sky installed); for tests,
+# PROCS_PER_REPLICA (CPU nodes), WORKER_PORT, RUN_DIR (where the run record goes), MONARCH_SKY_ARGS
+# (extra `monarch-sky train` overrides), MONARCH_SKY_PY (the python with monarch_sky installed); for tests,
 # MONARCH_SKY_STATE (pid, rc and lock files), MONARCH_SKY_SYSFS and MONARCH_SKY_DEV (roots
 # the RDMA probe reads instead of /sys and /dev).
 set -euo pipefail
@@ -246,7 +246,7 @@ train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...
   # shellcheck disable=SC2086  # MONARCH_SKY_ARGS is a list of KEY=VALUE words
   "$PY" -m monarch_sky train recipe="$RECIPE" replicas="$replicas" procs_per_replica="$PROCS" \
     hosts.provider=addresses "hosts.addresses=[$all]" hosts.controller_ip="$MY_IP" \
-    ${run_id:+run_id=$run_id} "$@" ${MONARCH_SKY_ARGS:-}  # later overrides win
+    ${run_id:+run_id=$run_id} ${RUN_DIR:+run_dir=$RUN_DIR} "$@" ${MONARCH_SKY_ARGS:-}  # later overrides win
 }
 
 case "$ROLE" in

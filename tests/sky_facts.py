@@ -41,6 +41,7 @@ def task_facts(task) -> dict:
         "inline_secrets": sorted(task.secrets),
         "setup": task.setup,
         "run": task.run,
+        "storage_mounts": {path: {"name": s.name, "mode": s.mode.value} for path, s in (task.storage_mounts or {}).items()},
     }
 
 

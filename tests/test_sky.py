@@ -84,6 +84,19 @@ def test_kubernetes_schedules_the_recipes_on_labelled_amd_nodes(label, name, mem
     assert PINNED_IMAGE.fullmatch("docker:" + pod["image_id"])
 
 
+def test_a_bucket_mounted_as_the_recipe_says_keeps_the_run_record(tmp_path):
+    """The recipe's own instructions (its RUN_DIR comment) as SkyPilot reads them: the bucket is
+    mounted where RUN_DIR points, in the mode that lets the run record's files be appended to."""
+    text = (REPO / "recipes" / "llama.yaml").read_text()
+    [mount] = [line.split("#", 1)[1].strip() for line in text.splitlines() if "file_mounts:" in line]
+    [run_dir] = [line.split("RUN_DIR=", 1)[1].strip() for line in text.splitlines() if "--env RUN_DIR=" in line]
+    variant = text.replace('  RUN_DIR: ""', f"  RUN_DIR: {run_dir}") + mount + "\n"
+    (tmp_path / "kept.yaml").write_text(variant)
+    task = sky_facts(str(tmp_path / "kept.yaml"))["kept.yaml"]
+    assert task["envs"]["RUN_DIR"] == run_dir
+    assert task["storage_mounts"] == {run_dir: {"name": "my-bucket", "mode": "MOUNT_CACHED"}}
+
+
 def test_a_disk_size_makes_kubernetes_refuse_the_recipe(tmp_path):
     """The control for the test above: what the recipes asked for before (disk_size: 512)."""
     recipe = (REPO / "recipes" / "llama.yaml").read_text().replace("resources:\n", "resources:\n  disk_size: 512\n", 1)
