@@ -49,10 +49,12 @@ TORCHFT_TIMEOUT_S = 60  # torchft Manager's default `timeout` (manager.py:169)
 HTTP_LOCK_S = 60.0  # the HTTP server's lock timeout, fixed by torchtitan (see above)
 GB = 1e9
 # Low end of each measured range, bytes/s (docs/gpu-check/README.md): GPU state on an
-# H200 host at 1-8.5 GB; CPU state on the 2-core development machine at 64-256 MiB.
+# H200 host at 1-8.5 GB; CPU state on the 2-core development machine at 1.9 GB
+# (`tools/heal_rate.py --gb 2`, 2026-12-01: HTTP 1.40 GB/s, gloo 1.39 GB/s; at 64-256 MiB
+# fixed costs dominate: 0.83 and 0.35 GB/s).
 RATES = {
     "gpu": {"http": 0.41 * GB, "pg_gloo": 0.69 * GB},
-    "cpu": {"http": 0.83 * GB, "pg_gloo": 0.35 * GB},
+    "cpu": {"http": 1.40 * GB, "pg_gloo": 1.39 * GB},
 }
 HOSTS = {"cpu": "cpu", "rocm": "gpu", "cuda": "gpu"}
 
