@@ -84,8 +84,7 @@ def check_faults(faults: list[Fault], replicas: int, steps: int) -> None:
 
 
 class FaultActor(Actor):
-    """Lives beside each trainer process and injects faults into it on request, or aborts
-    its cross-group collectives when the controller knows a peer group is gone.
+    """Lives beside each trainer process and injects faults into it on request.
 
     It is a separate actor so it can act while the trainer is busy in a step.
     """
@@ -98,11 +97,6 @@ class FaultActor(Actor):
     def inject(self, kind: str, delay_s: float = 0.0) -> None:
         # Fire from a timer so this call returns before the process dies.
         threading.Timer(max(delay_s, 0.01), _FAULTS[kind]).start()
-
-    @endpoint
-    def abort_collectives(self) -> None:
-        """Fail the collectives this trainer waits on now (TorchFT reconfigures at the next quorum)."""
-        _comms()
 
 
 def _kill() -> None:

@@ -181,9 +181,6 @@ class ReplicaGroup:
         except Exception:
             return False
 
-    def abort_collectives(self) -> None:
-        self.fault_actors.abort_collectives.broadcast()
-
     def inject(self, kind: str, rank: int, delay_s: float) -> None:
         self.fault_actors.slice(gpus=rank).inject.broadcast(kind, delay_s)
 

@@ -18,7 +18,7 @@ import enum
 import time
 from typing import Any
 
-from monarch_sky import rejoin, survivors
+from monarch_sky import rejoin
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import start_host_agent
 from monarch_sky.generations import Generations
@@ -218,7 +218,6 @@ class Slot:
         group.mark_failed(reason)  # wakes the step call waiting on this group
         group.detected = True
         self.ctx.last_failure_at = max(self.ctx.last_failure_at, at)
-        self.ctx.in_background(survivors.unstick(self.ctx, self, at))
         self._note_detection(group.failure, at)
         if self.agent is not None and group.pids:
             # Its live ranks would keep heartbeating to the lighthouse: end them now.
