@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from monarch_sky import hub_assets
 from monarch_sky import platform as platform_mod
 from monarch_sky.hosts import Host
 from monarch_sky.recipes import TrainerSpec
@@ -94,8 +95,6 @@ class RunContext:
 def trainer_env(cfg, platform=None) -> dict[str, str]:
     """What every trainer process of a job needs in its environment (the bench's arms too,
     which also pass their local `platform` for its CPU thread policy)."""
-    from monarch_sky import hub_assets
-
     env = {
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
         "TORCHFT_QUORUM_TIMEOUT_SEC": str(cfg.ft.quorum_timeout_s),

@@ -66,14 +66,9 @@ class HealBudget:
     quorum_timeout_s: int  # ft.quorum_timeout_s (TORCHFT_QUORUM_TIMEOUT_SEC)
     process_group_timeout_ms: int  # ft.process_group_timeout_ms
     step_s: float  # timeouts.step_s: a step that waits its quorum, then heals
-    healing_step_s: float  # a step that heals or serves a heal is not hung before this
-
-
-def params_of(recipe: str) -> int:
-    """The parameter count of a recipe's model (the recipe says it; the tests build it)."""
-    from monarch_sky.recipes import RECIPES
-
-    return RECIPES[recipe].params
+    # How long a step that heals or serves a heal may run: recorded only. The hang check does
+    # not need it (it pings the trainers, which answer while they heal).
+    healing_step_s: float
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,13 +89,6 @@ def built_sizes(recipe: str) -> tuple[int, int]:
         model = RECIPES[recipe].build_trainer(spec).model_spec.model.build()
     sizes = [p.numel() for p in model.parameters()]
     return sum(sizes), max(sizes)
-
-
-def _largest_of(recipe: str) -> int:
-    """The largest parameter (the embedding or output layer): vocabulary x model width."""
-    from monarch_sky.recipes import RECIPES
-
-    return RECIPES[recipe].largest_param
 
 
 def state_bytes_per_rank(params: int, ranks_per_group: int) -> int:
@@ -142,7 +130,9 @@ def describe(
 ) -> dict:
     """A heal budget for the run record and the README (`transport`: override the choice,
     e.g. "http" for what is wired today)."""
-    params, largest = params_of(recipe), _largest_of(recipe)
+    from monarch_sky.recipes import RECIPES
+
+    params, largest = RECIPES[recipe].params, RECIPES[recipe].largest_param  # tests check them (built_sizes)
     nbytes = state_bytes_per_rank(params, procs_per_replica)
     transport = transport or choose_transport(platform_kind, nbytes)
     rate = RATES[HOSTS[platform_kind]][transport]
