@@ -97,7 +97,8 @@ class WandbSettings:
 class JobConfig:
     recipe: str = "llama3_tiny"
     replicas: int = 3
-    procs_per_replica: int = 2
+    procs_per_replica: int = 2  # processes (GPUs) per host of a replica group
+    hosts_per_replica: int = 1  # hosts one replica group spans (FSDP across them)
     steps: int = 100
     seed: int = 0
     faults: str = ""

@@ -62,10 +62,13 @@ class RunContext:
             return f"its host has {platform}, the other groups {self.replica_platform}; every group needs the same accelerators"
         return None
 
-    def proc_env(self, host: Host) -> dict[str, str]:
+    def proc_env(self, hosts: list[Host]) -> dict[str, str]:
+        """One environment for every process of a group. A group on several hosts leaves
+        the address each advertises to its host's worker (`monarch_sky.worker`)."""
+        advertise = {platform_mod.ADVERTISE_ENV: hosts[0].ip} if len(hosts) == 1 else {}
         return {
             "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
-            platform_mod.ADVERTISE_ENV: host.ip,
+            **advertise,
             "PYTHONUNBUFFERED": "1",
             **trainer_env(self.cfg),  # the trainer sets its CPU threads itself (platform.limit_cpu_threads)
         }

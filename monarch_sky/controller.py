@@ -18,15 +18,14 @@ from monarch_sky import platform as platform_mod
 from monarch_sky import heal_budget, supervision, tls
 from monarch_sky.config import Job
 from monarch_sky.context import RunContext, off_loop
-from monarch_sky.detection import HostWatchdog
-from monarch_sky.generations import attach_host
+from monarch_sky.detection import HostWatchdog, exited_on_hosts
+from monarch_sky.generations import attach_hosts
 from monarch_sky.hosts import HostProvider
 from monarch_sky.injector import FaultInjector
 from monarch_sky.ledger import StatusCounts, StepLedger
 from monarch_sky.progress import Display
 from monarch_sky.slot import Slot, SlotState
 from monarch_sky.summary import build_summary
-from monarch_sky.supervision import resolved
 from monarch_sky.tracking import RunRecord, Tracker
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,7 @@ class Controller:
     ):
         cfg = job.config
         self.ctx = ctx = RunContext(cfg, provider, record, tracker, display, platform_mod.detect())
-        ctx.injector = FaultInjector(job.faults, cfg.seed, cfg.procs_per_replica, record, display, tracker)
+        ctx.injector = FaultInjector(job.faults, cfg.seed, cfg.procs_per_replica * cfg.hosts_per_replica, record, display, tracker)
         ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
@@ -128,11 +127,14 @@ class Controller:
         from monarch.actor import enable_transport
 
         ctx = self.ctx
-        ctx.phase(f"starting {ctx.cfg.replicas} hosts ({type(ctx.provider).__name__})")
-        hosts = await asyncio.wait_for(off_loop(ctx.provider.start, ctx.cfg.replicas), ctx.cfg.hosts.provision_timeout_s)
+        per = ctx.cfg.hosts_per_replica
+        count = ctx.cfg.replicas * per
+        ctx.phase(f"starting {count} hosts ({type(ctx.provider).__name__})")
+        hosts = await asyncio.wait_for(off_loop(ctx.provider.start, count), ctx.cfg.hosts.provision_timeout_s)
         enable_transport(f"{tls.scheme()}://{ctx.provider.controller_ip()}:0")  # workers dial back here
-        for index, host in enumerate(hosts):
-            self.slots.append(Slot(ctx, index, host, await attach_host(ctx, host)))
+        for index in range(ctx.cfg.replicas):
+            group_hosts = hosts[index * per:(index + 1) * per]
+            self.slots.append(Slot(ctx, index, group_hosts, await attach_hosts(ctx, group_hosts)))
         for slot in self.slots:
             ctx.in_background(slot.start_agent())
         ctx.record.event("hosts_ready", hosts=[h.address for h in hosts])
@@ -200,17 +202,19 @@ class Controller:
             await asyncio.gather(*(self._check(s) for s in watched), return_exceptions=True)
 
     async def _check(self, slot: Slot) -> None:
-        group, host = slot.group, slot.host
-        reachable = await off_loop(self.ctx.provider.alive, host, DETECT_EVERY_S * 2)
-        if self.watchdog.observe(host.address, reachable, time.monotonic()):
-            self.watchdog.forget(host.address)
-            slot.on_failure(group, f"host {host.name} ({host.address}) is unreachable", time.monotonic())
-            return
+        group, hosts = slot.group, slot.hosts
+        probes = await asyncio.gather(*(off_loop(self.ctx.provider.alive, h, DETECT_EVERY_S * 2) for h in hosts))
+        for host, up in zip(hosts, probes):
+            if self.watchdog.observe(host.address, up, time.monotonic()):
+                self.watchdog.forget(host.address)
+                slot.on_failure(group, f"host {host.name} ({host.address}) is unreachable", time.monotonic())
+                return
+        reachable = all(probes)
         if reachable and self._suspect_hang(slot):
             self.ctx.in_background(self._check_hang(slot, group))
         if reachable and slot.agent is not None and group.pids:
             try:
-                exited = await asyncio.wait_for(resolved(slot.agent.exited.call_one(group.pids)), 2 * DETECT_EVERY_S)
+                exited = await exited_on_hosts(slot.agent, group.pids, 2 * DETECT_EVERY_S)
             except Exception:  # a slow or restarting agent says nothing either way
                 return
             if exited and slot.group is group:
@@ -259,7 +263,7 @@ class Controller:
             *(s.gens.close_standby() for s in self.slots), *ctx.background, return_exceptions=True))
         await self._within(deadline, "replica groups", asyncio.gather(
             *(g.close(stop_s) for g in list(ctx.groups.values())), return_exceptions=True))
-        await self._within(deadline, "hosts", asyncio.gather(*(s.release() for s in self.slots), return_exceptions=True))
+        await self._within(deadline, "hosts", asyncio.gather(*(s.gens.release() for s in self.slots), return_exceptions=True))
         if ctx.router is not None:
             ctx.router.uninstall()
         try:  # the provider gets a few seconds even when the stages above used up the time

@@ -4,8 +4,8 @@ Monarch supervision usually reports a dead process within a second, but not alwa
 trainer killed mid-step was once reported only 30 s later, by a proc-agent timeout), and it
 takes several seconds to give up on a whole host. So the controller also asks, every half
 second:
-- each host's `HostAgent` (one small process per host, a sibling of the trainers) whether any
-  process of the group running there has exited: the host sees a child exit at once;
+- each host's `HostAgent` (one small process per host of a group, a sibling of the trainers)
+  whether any process of the group running there has exited: the host sees a child exit at once;
 - the host itself, with a TCP connect to its worker (`HostWatchdog`): a host is declared
   dead only after its probes kept failing for `hosts.dead_after_s`, so one dropped SYN or a
   slow name lookup never tears down a healthy group.
@@ -52,11 +52,27 @@ class HostAgent(Actor):
 
 
 async def start_host_agent(host_mesh, name: str, timeout_s: float):
-    """A one-process mesh on the host running a `HostAgent`; returns the agent once it answers."""
+    """One process per host of `host_mesh` running a `HostAgent`; returns them (an actor
+    mesh over the hosts) once every one answers."""
     procs = host_mesh.spawn_procs(per_host={"gpus": 1}, name=name)
     agent = procs.spawn("host-agent", HostAgent)
-    await asyncio.wait_for(resolved(agent.exited.call_one([])), timeout_s)
+    await asyncio.wait_for(resolved(agent.exited.call([])), timeout_s)
     return agent
+
+
+async def exited_on_hosts(agent, pids_by_host: list[list[int]], timeout_s: float) -> list[int]:
+    """Which of a group's pids are gone, each asked of the agent on its own host (a pid
+    means nothing on another host)."""
+    asks = [resolved(agent.slice(hosts=i).exited.call_one(pids)) for i, pids in enumerate(pids_by_host) if pids]
+    return [pid for gone in await asyncio.wait_for(asyncio.gather(*asks), timeout_s) for pid in gone]
+
+
+def kill_on_hosts(agent, pids_by_host: list[list[int]], skip: tuple[int, ...] = ()) -> None:
+    """SIGKILL a group's processes, each by the agent on its own host; `skip`: host indexes
+    not to ask (dead ones)."""
+    for i, pids in enumerate(pids_by_host):
+        if pids and i not in skip:
+            agent.slice(hosts=i).kill.broadcast(pids)
 
 
 

@@ -1,10 +1,11 @@
-"""A replica group's generations on its host: spawn, warm standby, discard, abandon.
+"""A replica group's generations on its hosts: spawn, warm standby, discard, abandon.
 
-Generation g of replica r is a process mesh named `r{r}g{g}`. A new generation is spawned
-(processes up, torch and torchtitan imported) ahead of need as a warm standby, so a
-recovery only builds the trainer. A generation that failed on a live host is discarded
-(its processes stopped); one on a dead host is abandoned (stopping it there would hang),
-and the slot's generations move to a replacement host from the provider.
+Generation g of replica r is a process mesh named `r{r}g{g}` over the group's hosts
+(`hosts_per_replica` of them, one HostMesh). A new generation is spawned (processes up,
+torch and torchtitan imported) ahead of need as a warm standby, so a recovery only builds
+the trainer. A generation that failed on live hosts is discarded (its processes stopped);
+one with a dead host is abandoned (stopping it there would hang), each dead host is
+replaced by the provider, and a new HostMesh covers the kept and the new hosts.
 """
 
 from __future__ import annotations
@@ -20,43 +21,69 @@ from monarch_sky.supervision import describe_error, resolved
 
 
 class Generations:
-    def __init__(self, ctx: RunContext, index: int, host: Host, host_mesh: Any):
+    def __init__(self, ctx: RunContext, index: int, hosts: list[Host], host_mesh: Any):
         self.ctx = ctx
         self.index = index
-        self.host = host
-        self.host_mesh = host_mesh
+        self.hosts = list(hosts)
+        self.host_mesh = host_mesh  # one HostMesh over all of `hosts`
         self.spawned = 0  # generations spawned so far (standbys included)
         self.standby: asyncio.Task | None = None  # resolves to a warmed next generation
 
-    async def move_to_new_host(self) -> None:
-        """Ask the provider for a host to replace the lost one and attach to it; raises
-        HostError when none comes within `hosts.provision_timeout_s` (or the provider fails)."""
-        ctx, lost, index = self.ctx, self.host, self.index
+    async def replace_hosts(self, lost: list[Host]) -> None:
+        """Ask the provider for a host in place of each lost one and attach one mesh over the
+        group's hosts, the kept ones too; raises HostError when they do not all come within
+        `hosts.provision_timeout_s` (or the provider fails)."""
+        ctx, index = self.ctx, self.index
         timeout_s = ctx.cfg.hosts.provision_timeout_s
-        ctx.record.event("host_lost", replica=index, host=lost.address)
-        ctx.display.line(f"[replica {index}] host {lost.name} ({lost.address}) is gone; asking for a replacement")
+        for host in lost:
+            ctx.record.event("host_lost", replica=index, host=host.address)
+            ctx.display.line(f"[replica {index}] host {host.name} ({host.address}) is gone; asking for a replacement")
         began = time.monotonic()
-        try:
-            host = await asyncio.wait_for(off_loop(ctx.provider.replace, lost), timeout_s)
-            mesh = await attach_host(ctx, host)
+        try:  # one at a time: a provider's bookkeeping need not be thread-safe
+            new = await asyncio.wait_for(off_loop(lambda: [ctx.provider.replace(h) for h in lost]), timeout_s)
+            hosts = [new[lost.index(h)] if h in lost else h for h in self.hosts]
+            mesh = await attach_hosts(ctx, hosts)
         except Exception as e:
             reason = f"no replacement host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else describe_error(e)
             ctx.record.event("host_replacement_failed", replica=index, reason=reason)
-            raise HostError(f"host {lost.name} was lost and no replacement came: {reason}") from None
-        self.host, self.host_mesh = host, mesh
+            names = ", ".join(h.name for h in lost)
+            raise HostError(f"host {names} was lost and no replacement came: {reason}") from None
+        self.hosts, self.host_mesh = hosts, mesh
         seconds = round(time.monotonic() - began, 3)
-        ctx.record.event("host_replaced", replica=index, host=host.address, seconds=seconds)
-        ctx.display.line(f"[replica {index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
+        for host in new:
+            ctx.record.event("host_replaced", replica=index, host=host.address, seconds=seconds)
+            ctx.display.line(f"[replica {index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
+
+    async def lost_hosts(self) -> list[Host]:
+        """The group's hosts whose workers no longer answer."""
+        alive = await asyncio.gather(*(off_loop(self.ctx.provider.alive, h) for h in self.hosts))
+        return [h for h, up in zip(self.hosts, alive) if not up]
+
+    async def fence(self, host: Host) -> None:
+        """A host declared dead may only be cut off (a partition): make sure its processes
+        stop where the provider can reach them. Its replacement gets new TorchFT replica ids
+        (each manager adds a fresh uuid), so old processes can never pose as the new group."""
+        await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing lost host {host.name}")
+
+    async def release(self) -> None:
+        """Tell the live hosts' workers the run is over (bootstrapped nodes then exit)."""
+        lost = await self.lost_hosts()
+        live = [h for h in self.hosts if h not in lost]
+        if not live:
+            return
+        # A mesh with a dead host would hang: a new one over the live hosts says it instead.
+        mesh = await attach_hosts(self.ctx, live) if lost else self.host_mesh
+        await asyncio.wait_for(resolved(mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
 
     async def spawn(self) -> ReplicaGroup:
         """A new generation with processes up and code imported."""
         ctx = self.ctx
-        group = ReplicaGroup(self.index, self.spawned, self.host, self.host_mesh, ctx.cfg.procs_per_replica)
+        group = ReplicaGroup(self.index, self.spawned, self.hosts, self.host_mesh, ctx.cfg.procs_per_replica)
         self.spawned += 1
         ctx.groups[group.owner] = group
         ctx.router.watch(group.owner)
         try:
-            await group.spawn(ctx.spec(self.index), ctx.proc_env(self.host), ctx.cfg.timeouts.spawn_s)
+            await group.spawn(ctx.spec(self.index), ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s)
         except BaseException:
             await self.discard(group)
             raise
@@ -72,20 +99,23 @@ class Generations:
         await group.stop(self.ctx.cfg.timeouts.stop_s)
 
     def abandon(self, group: ReplicaGroup) -> None:
-        """Forget a group on a dead host: stopping a mesh there would hang."""
+        """Forget a group with a dead host: stopping a mesh there would hang."""
         self.forget(group)
         group.proc_mesh = None
 
-    def abandon_standby(self) -> None:
-        """The standby shared the dead host: drop it without waiting on that host."""
+    def abandon_standby(self) -> ReplicaGroup | None:
+        """The standby shared the dead host: drop it without waiting on that host. Returns
+        it if it was up (its processes on the hosts still alive are the caller's to end)."""
         task, self.standby = self.standby, None
         if task is None:
-            return
+            return None
         if task.done() and not task.cancelled() and task.exception() is None:
             self.abandon(task.result())
+            return task.result()
         else:
             task.cancel()  # its cleanup waits on the dead host, bounded by timeouts.stop_s
             self.ctx.background.add(task)
+            return None
 
     def refill_standby(self) -> None:
         if self.ctx.cfg.ft.standby and not self.ctx.finishing and self.standby is None:
@@ -112,10 +142,13 @@ class Generations:
             await asyncio.gather(task, return_exceptions=True)
 
 
-async def attach_host(ctx: RunContext, host: Host):
-    """Each host is its own HostMesh: a dead host never blocks the others' meshes."""
+async def attach_hosts(ctx: RunContext, hosts: list[Host]):
+    """One replica group's hosts as one HostMesh (its own: a dead host never blocks the other
+    groups' meshes). A worker may be in several meshes: after a host is replaced, a new mesh
+    covers the kept hosts and the new one."""
     from monarch.actor import attach_to_workers
 
-    mesh = attach_to_workers(name=f"host-{host.name}", ca="trust_all_connections", workers=[host.address])
+    name = "host-" + "+".join(h.name for h in hosts)
+    mesh = attach_to_workers(name=name, ca="trust_all_connections", workers=[h.address for h in hosts])
     await asyncio.wait_for(resolved(mesh.initialized), ctx.cfg.timeouts.spawn_s)
     return mesh

@@ -155,7 +155,7 @@ def apply(cfg, platform_kind: str) -> dict:
     """Raise the timeouts a heal runs under to what this job's model needs (never lower
     them), and return the budget for the run record. The transport is HTTP: torchtitan
     wires no other into TorchFT's manager (`choose_transport` says what would be better)."""
-    info = describe(cfg.recipe, cfg.procs_per_replica, platform_kind, transport="http")
+    info = describe(cfg.recipe, cfg.procs_per_replica * cfg.hosts_per_replica, platform_kind, transport="http")
     info["transport_advised"] = choose_transport(platform_kind, info["bytes_per_rank"])
     info["over_http_lock"] = info["heal_s"] > HTTP_LOCK_S
     cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])

@@ -52,31 +52,33 @@ class FaultRecord:
 
 
 class FaultInjector:
-    def __init__(self, faults: list[Fault], seed: int, procs_per_replica: int, record, display, tracker):
+    def __init__(self, faults: list[Fault], seed: int, ranks_per_replica: int, record, display, tracker):
         self.pending = list(faults)
         self.records: list[FaultRecord] = []
         self.rng = random.Random(seed)
-        self.procs = procs_per_replica
+        self.ranks = ranks_per_replica
         self.record = record
         self.display = display
         self.tracker = tracker
 
-    def fire_due(self, replica: int, run_step: int, group, kill_host: Callable[[], None], step_seconds: float) -> None:
+    def fire_due(self, replica: int, run_step: int, group, kill_host: Callable[[Any], None], step_seconds: float) -> None:
         """Inject every fault due for `replica` by `run_step` into its training `group`."""
         for fault in [f for f in self.pending if f.replica == replica and run_step >= f.step]:
             self.pending.remove(fault)
             # Land inside the step, as real failures do.
             self.inject(fault, group, kill_host, delay_s=0.5 * step_seconds, run_step=run_step)
 
-    def inject(self, fault: Fault, group, kill_host: Callable[[], None], delay_s: float, run_step: int) -> None:
+    def inject(self, fault: Fault, group, kill_host: Callable[[Any], None], delay_s: float, run_step: int) -> None:
         if fault.kind in PROCESS_KINDS:
-            rank = self.rng.randrange(self.procs)
+            rank = self.rng.randrange(self.ranks)
             group.inject(fault.kind, rank, delay_s)
             target = f"replica {fault.replica} rank {rank}"
         else:
             rank = None
-            asyncio.get_running_loop().call_later(delay_s, kill_host)
-            target = f"replica {fault.replica}'s host {group.host.name}"
+            # One of the group's hosts (a draw only when there is a choice: seeds keep their schedules).
+            host = group.hosts[self.rng.randrange(len(group.hosts))] if len(group.hosts) > 1 else group.hosts[0]
+            asyncio.get_running_loop().call_later(delay_s, kill_host, host)
+            target = f"replica {fault.replica}'s host {host.name}"
         self.records.append(FaultRecord(fault, rank, time.monotonic() + delay_s, group.generation))
         self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step)
         self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}")

@@ -69,7 +69,7 @@ def format_summary(s: dict[str, Any]) -> str:
     rows = [
         ("run", s["run_id"]),
         ("recipe", s["recipe"]),
-        ("replica groups", f"{s['replicas']} x {s['procs_per_replica']} processes"),
+        ("replica groups", f"{s['replicas']} x {group_shape(s['procs_per_replica'], s.get('hosts_per_replica', 1))}"),
         ("committed steps", f"{s['committed_steps']}/{s['target_steps']}"),
         ("loss", f"{_num(loss.get('first'))} -> {_num(loss.get('last'))}"),
         ("wall time", f"{s['wall_s']:.1f}s"),
@@ -97,6 +97,11 @@ def format_summary(s: dict[str, Any]) -> str:
     for replica, reason in (s.get("final_state_errors") or {}).items():
         out.append(f"  replica {replica}: final state could not be read: {reason}")
     return "\n".join(out)
+
+
+def group_shape(procs: int, hosts: int) -> str:
+    """What one replica group is made of: "2 processes", or "2 hosts x 8 processes"."""
+    return f"{hosts} hosts x {procs} processes" if hosts > 1 else f"{procs} processes"
 
 
 def _num(value) -> str:

@@ -103,15 +103,16 @@ class ReplicaGroup:
     """The controller's handle on one incarnation of a replica group.
 
     Generation g of replica r owns the actor meshes `r{r}g{g}-*`, which is how Monarch
-    supervision failures are attributed to it (see `monarch_sky.supervision`).
+    supervision failures are attributed to it (see `monarch_sky.supervision`). Its processes
+    form a {hosts, gpus} mesh over the group's hosts; rank = host index x procs + gpu.
     """
 
-    def __init__(self, index: int, generation: int, host, host_mesh, procs: int):
+    def __init__(self, index: int, generation: int, hosts: list, host_mesh, procs: int):
         self.index = index
         self.generation = generation
-        self.host = host
-        self.host_mesh = host_mesh
-        self.procs = procs
+        self.hosts = list(hosts)
+        self.host_mesh = host_mesh  # one HostMesh over all of `hosts`
+        self.procs = procs  # per host
         self.owner = f"r{index}g{generation}"
         self.failure: str | None = None
         self.detected = False  # the controller has recorded this group's failure
@@ -120,7 +121,7 @@ class ReplicaGroup:
         self.actors = None
         self.fault_actors = None
         self.timings: dict[str, float] = {}  # boot_s, import_s (per rank, max), build_s
-        self.pids: list[int] = []  # one per rank, once spawned
+        self.pids: list[list[int]] = []  # per host, its ranks' pids, once spawned
 
     def mark_failed(self, report: str) -> None:
         if self.failure is None:
@@ -141,7 +142,9 @@ class ReplicaGroup:
         began = time.monotonic()
         self.fault_actors = self.proc_mesh.spawn(f"{self.owner}-fault", FaultActor)
         pids = await self._call(self.fault_actors.pid.call(), timeout_s)
-        self.pids = list(pids.values())
+        self.pids = [[] for _ in self.hosts]
+        for point, pid in pids.items():
+            self.pids[point["hosts"]].append(pid)
         self.timings["boot_s"] = round(time.monotonic() - began, 3)
         self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor, spec)
         imports = await self._call(self.actors.warm.call(), timeout_s)
@@ -153,9 +156,9 @@ class ReplicaGroup:
 
         spmd = self.proc_mesh.spawn(f"{self.owner}-spmd", SPMDActor)
         # The TCPStore on rank 0 also carries TorchFT's cross-group process groups, so its
-        # address must be the host's reachable IP; the port is picked on the host itself.
-        _, port = await self._call(spmd.slice(gpus=0).get_host_port.call_one(None), timeout_s)
-        await self._call(spmd.setup_env.call(self.host.ip, port), timeout_s)
+        # address must be the first host's reachable IP; the port is picked on that host.
+        _, port = await self._call(spmd.slice(hosts=0, gpus=0).get_host_port.call_one(None), timeout_s)
+        await self._call(spmd.setup_env.call(self.hosts[0].ip, port), timeout_s)
         info = (await self._call(self.actors.setup.call(rejoining, data_states), timeout_s)).get(0)
         self.timings["build_s"] = round(info["build_s"], 3)
         return info
@@ -182,7 +185,7 @@ class ReplicaGroup:
             return False
 
     def inject(self, kind: str, rank: int, delay_s: float) -> None:
-        self.fault_actors.slice(gpus=rank).inject.broadcast(kind, delay_s)
+        self.fault_actors.slice(hosts=rank // self.procs, gpus=rank % self.procs).inject.broadcast(kind, delay_s)
 
     async def close(self, timeout_s: float) -> None:
         """Let the trainers shut TorchFT down cleanly, then stop the processes."""

@@ -17,7 +17,7 @@ from monarch_sky.config import EXIT_CONFIG, Job
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
 from monarch_sky.outcome import failed, stopped
-from monarch_sky.progress import Display
+from monarch_sky.progress import Display, group_shape
 from monarch_sky.tracking import RunRecord, Tracker, previous_attempt
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     faults = ", ".join(map(str, job.faults)) or "none"
     display.line(
         f"monarch-sky run {run_id}: {cfg.recipe}, {cfg.replicas} replica groups x "
-        f"{cfg.procs_per_replica} processes, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {faults}"
+        f"{group_shape(cfg.procs_per_replica, cfg.hosts_per_replica)}, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {faults}"
     )
     tracker = Tracker(cfg.wandb, run_id, record.path, job.to_dict())
     if provider is None:

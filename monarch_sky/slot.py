@@ -6,9 +6,9 @@
 `drive()` runs the group one step per call. When its generation fails (Monarch supervision,
 the host agent, the watchdog, or the step call itself said so) the slot recovers on its own:
 the broken generation's processes are killed at once (so its TorchFT heartbeats stop and the
-survivors stop waiting on it), the generation is discarded or, on a dead host, abandoned and
-the host replaced, and the warm standby becomes the next generation, which heals from a
-peer. Whatever goes wrong in a recovery costs this slot a restart and nothing else.
+survivors stop waiting on it), the generation is discarded or, with a dead host, abandoned and
+that host replaced (the group's other hosts are kept), and the warm standby becomes the next
+generation, which heals from a peer. Whatever goes wrong in a recovery costs this slot a restart and nothing else.
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ import time
 from typing import Any
 
 from monarch_sky import rejoin
-from monarch_sky.context import RunContext, off_loop
-from monarch_sky.detection import start_host_agent
+from monarch_sky.context import RunContext
+from monarch_sky.detection import kill_on_hosts, start_host_agent
 from monarch_sky.generations import Generations
 from monarch_sky.hosts import Host
 from monarch_sky.replica import GroupFailed, ReplicaGroup
 from monarch_sky.step_result import StepResult
-from monarch_sky.supervision import describe_error, resolved
+from monarch_sky.supervision import describe_error
 
 
 class SlotState(enum.Enum):
@@ -38,11 +38,11 @@ class SlotState(enum.Enum):
 
 
 class Slot:
-    def __init__(self, ctx: RunContext, index: int, host: Host, host_mesh: Any):
+    def __init__(self, ctx: RunContext, index: int, hosts: list[Host], host_mesh: Any):
         self.ctx = ctx
         self.index = index
-        self.gens = Generations(ctx, index, host, host_mesh)
-        self.agent = None  # this host's HostAgent, once it is up
+        self.gens = Generations(ctx, index, hosts, host_mesh)
+        self.agent = None  # a HostAgent on each of the group's hosts, once they are up
         self.group: ReplicaGroup | None = None  # the generation that trains
         self.state = SlotState.STARTING
         self.restarts = 0
@@ -55,8 +55,8 @@ class Slot:
         self.heal: tuple[int, float | None] = (0, None)  # bytes, seconds of this generation's healing step
 
     @property
-    def host(self) -> Host:
-        return self.gens.host
+    def hosts(self) -> list[Host]:
+        return self.gens.hosts
 
     @property
     def active(self) -> bool:
@@ -88,6 +88,7 @@ class Slot:
             self.group = group
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
+                hosts=[h.address for h in group.hosts],
                 seconds=round(time.monotonic() - began, 3), pid=info["pid"], **group.timings,
             )
             return True
@@ -201,8 +202,8 @@ class Slot:
         self.ctx.display.line(f"[replica {self.index}] rejoined at step {r.step}{after} (weights from {source}{carried})")
         self.gens.refill_standby()
 
-    def kill_host(self) -> None:
-        self.ctx.in_background(self.ctx.provider_call(self.ctx.provider.kill, self.host, what=f"killing host {self.host.name}"))
+    def kill_host(self, host: Host) -> None:
+        self.ctx.in_background(self.ctx.provider_call(self.ctx.provider.kill, host, what=f"killing host {host.name}"))
 
     # ---- failures ------------------------------------------------------------------
 
@@ -221,7 +222,7 @@ class Slot:
         self._note_detection(group.failure, at)
         if self.agent is not None and group.pids:
             # Its live ranks would keep heartbeating to the lighthouse: end them now.
-            self.agent.kill.broadcast(group.pids)
+            kill_on_hosts(self.agent, group.pids)
 
     def _note_detection(self, reason: str, at: float) -> None:
         faults = self.ctx.injector.detected(self.index, at)
@@ -237,12 +238,12 @@ class Slot:
         group = self.group
         self.on_failure(group, reason, time.monotonic())  # the step call may have been first
         self.state, self.group = SlotState.RECOVERING, None
-        host_alive = await self._end_generation(group)
+        lost = await self._end_generation(group)
         if not self.may_restart(reason):
             return
         while True:
             try:
-                await self._come_back(host_alive)
+                await self._come_back(lost)
                 return
             except Exception as e:  # never let one slot's recovery end the run
                 self.last_failure = describe_error(e)
@@ -250,25 +251,28 @@ class Slot:
                 self.ctx.display.line(f"[replica {self.index}] recovery failed: {describe_error(e)}")
                 if not self.may_restart(describe_error(e)):
                     return
-                host_alive = await off_loop(self.ctx.provider.alive, self.host)
+                lost = await self.gens.lost_hosts()
 
-    async def _end_generation(self, group: ReplicaGroup) -> bool:
-        """Stop the broken generation; returns whether its host is still alive."""
-        host_alive = await off_loop(self.ctx.provider.alive, self.host)
-        if host_alive:
+    async def _end_generation(self, group: ReplicaGroup) -> list[Host]:
+        """Stop the broken generation; returns the group's hosts that are dead."""
+        lost = await self.gens.lost_hosts()
+        if not lost:
             began = time.monotonic()
             await self.gens.discard(group)
             self.ctx.record.event("replica_stopped", replica=self.index, generation=group.generation,
                                   seconds=round(time.monotonic() - began, 3))
-        else:
-            self.gens.abandon(group)
-            self.gens.abandon_standby()
-            await self._fence(self.host)
-        return host_alive
+            return lost
+        self.gens.abandon(group)
+        standby = self.gens.abandon_standby()
+        if standby is not None and self.agent is not None:  # its processes on the kept hosts
+            kill_on_hosts(self.agent, standby.pids, skip=tuple(self.hosts.index(h) for h in lost))
+        for host in lost:
+            await self.gens.fence(host)
+        return lost
 
-    async def _come_back(self, host_alive: bool) -> None:
-        if not host_alive:  # raises HostError (a restart of this slot) if no host comes
-            await self.gens.move_to_new_host()
+    async def _come_back(self, lost: list[Host]) -> None:
+        if lost:  # raises HostError (a restart of this slot) if no host comes
+            await self.gens.replace_hosts(lost)
             self.agent = None
             self.ctx.in_background(self.start_agent())
         await rejoin.wait_for_survivors_commit(self.ctx, self)
@@ -279,12 +283,6 @@ class Slot:
             return
         self.state = SlotState.REJOINING
         self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}, rejoining")
-
-    async def _fence(self, host: Host) -> None:
-        """A host declared dead may only be cut off (a partition): make sure its processes
-        stop where the provider can reach them. Its replacement gets new TorchFT replica ids
-        (each manager adds a fresh uuid), so old processes can never pose as the new group."""
-        await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing lost host {host.name}")
 
     async def retire(self, reason: str) -> None:
         group = self.group
@@ -298,13 +296,8 @@ class Slot:
     async def start_agent(self) -> None:
         mesh = self.gens.host_mesh
         agent = await start_host_agent(mesh, f"agent{self.index}x{self.gens.spawned}", self.ctx.cfg.timeouts.spawn_s)
-        if self.gens.host_mesh is mesh:  # still this slot's host
+        if self.gens.host_mesh is mesh:  # still this slot's hosts
             self.agent = agent
 
     async def final_state(self) -> dict[str, Any]:
         return await self.group.final_state(self.ctx.cfg.timeouts.stop_s)
-
-    async def release(self) -> None:
-        """Tell a live host's worker the run is over (bootstrapped nodes then exit)."""
-        if await off_loop(self.ctx.provider.alive, self.host):
-            await asyncio.wait_for(resolved(self.gens.host_mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)

@@ -23,6 +23,7 @@ def build_summary(
         "recipe": cfg.recipe,
         "replicas": cfg.replicas,
         "procs_per_replica": cfg.procs_per_replica,
+        "hosts_per_replica": cfg.hosts_per_replica,
         "ft_mode": cfg.ft.mode,
         "platform": ctx.replica_platform or ctx.platform.kind,  # the trainers' hosts, e.g. "rocm x8"
         "target_steps": cfg.steps,

@@ -28,6 +28,7 @@ CHOICES = {
 AT_LEAST_ONE = (
     "replicas",
     "procs_per_replica",
+    "hosts_per_replica",
     "steps",
     "ft.sync_steps",
     "ft.min_replicas",
@@ -135,10 +136,12 @@ def _validate_hosts(config: DictConfig) -> None:
         raise ConfigError(f"hosts.controller_ip: required with hosts.provider={hosts.provider} (this node's IP)")
     if hosts.provider == "skypilot":
         _validate_sky_replacements(hosts)
-    if len(hosts.addresses) < config.replicas:
+    needed = config.replicas * config.hosts_per_replica
+    if len(hosts.addresses) < needed:
+        per = f" x hosts_per_replica={config.hosts_per_replica}" if config.hosts_per_replica > 1 else ""
         raise ConfigError(
-            f"hosts.addresses: {len(hosts.addresses)} given, but replicas={config.replicas} "
-            "needs one worker address (IP:PORT) per replica group"
+            f"hosts.addresses: {len(hosts.addresses)} given, but replicas={config.replicas}{per} "
+            f"needs {needed} worker addresses (IP:PORT), one per host of each replica group"
         )
     for address in hosts.addresses:
         try:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 from monarch_sky import platform, supervision
+from monarch_sky.hosts import parse_address
 
 
 def run(address: str, until_shutdown: bool = False) -> None:
@@ -11,6 +14,11 @@ def run(address: str, until_shutdown: bool = False) -> None:
     `until_shutdown`: return once a controller shuts this host down at the end of its run
     (node bootstrap); otherwise serve controller after controller until killed.
     """
+    # The processes this worker starts inherit its environment: they name their host by
+    # the address the controller reaches it on (`platform.advertise_host`).
+    advertised = parse_address(address.split("@")[0], name="worker").ip
+    if advertised not in ("0.0.0.0", "::", "[::]"):
+        os.environ.setdefault(platform.ADVERTISE_ENV, advertised)
     supervision.configure_monarch_env()
     platform.worker_thread_env()
     from monarch.actor import run_worker_loop_forever, run_worker_loop_until_shutdown

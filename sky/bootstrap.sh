@@ -29,6 +29,7 @@
 #
 # Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE
 # (and SKYPILOT_JOBGROUP_NAME in job groups) and the task envs: RECIPE, REPLICAS_PER_NODE,
+# HOSTS_PER_REPLICA (nodes one replica group spans; consecutive node ranks form a group),
 # PROCS_PER_REPLICA (CPU nodes), WORKER_PORT, RUN_DIR (where the run record goes), MONARCH_SKY_ARGS
 # (extra `monarch-sky train` overrides), MONARCH_SKY_PY (the python with monarch_sky installed); for tests,
 # MONARCH_SKY_STATE (pid, rc and lock files), MONARCH_SKY_SYSFS and MONARCH_SKY_DEV (roots
@@ -49,6 +50,7 @@ RANK=$SKYPILOT_NODE_RANK
 NODES=$SKYPILOT_NUM_NODES
 GPUS=${SKYPILOT_NUM_GPUS_PER_NODE:-0}
 PER_NODE=${REPLICAS_PER_NODE:-1}
+PER_GROUP=${HOSTS_PER_REPLICA:-1}
 PORT=${WORKER_PORT:-26600}
 RECIPE=${RECIPE:-llama3_8b}
 if [ -z "${MONARCH_SKY_PY:-}" ] && [ -x "$HOME/monarch-sky-venv/bin/python" ]; then
@@ -76,6 +78,12 @@ if [ "$ROLE" = controller ] || { [ "$ROLE" = cluster ] && [ "$RANK" -eq 0 ]; }; 
 fi
 "$PY" -c 'import monarch_sky' 2>/dev/null || die "$PY cannot import monarch_sky: did sky/setup.sh run? (or set MONARCH_SKY_PY)"
 [ $((PER_NODE)) -ge 1 ] || die "REPLICAS_PER_NODE=$PER_NODE must be >= 1"
+[ $((PER_GROUP)) -ge 1 ] || die "HOSTS_PER_REPLICA=$PER_GROUP must be >= 1"
+if [ "$PER_GROUP" -gt 1 ]; then
+  [ "$PER_NODE" -eq 1 ] || die "HOSTS_PER_REPLICA=$PER_GROUP needs REPLICAS_PER_NODE=1: a group spanning nodes uses all their GPUs"
+  [ "$ROLE" != controller ] || die "HOSTS_PER_REPLICA=$PER_GROUP: a job group's replica tasks are one node each; use the cluster recipes"
+  [ "$ROLE" != cluster ] || [ $((NODES % PER_GROUP)) -eq 0 ] || die "HOSTS_PER_REPLICA=$PER_GROUP does not divide the $NODES nodes: launch a multiple of it (--num-nodes)"
+fi
 if [ "$GPUS" -gt 0 ]; then
   [ $((GPUS % PER_NODE)) -eq 0 ] || die "REPLICAS_PER_NODE=$PER_NODE does not divide the node's $GPUS GPUs"
   PROCS=$((GPUS / PER_NODE))
@@ -244,7 +252,7 @@ train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...
   local run_id
   run_id=$(printf '%s' "${SKYPILOT_TASK_ID:-}" | tr -c 'A-Za-z0-9_.-' '-')
   # shellcheck disable=SC2086  # MONARCH_SKY_ARGS is a list of KEY=VALUE words
-  "$PY" -m monarch_sky train recipe="$RECIPE" replicas="$replicas" procs_per_replica="$PROCS" \
+  "$PY" -m monarch_sky train recipe="$RECIPE" replicas="$replicas" procs_per_replica="$PROCS" hosts_per_replica="$PER_GROUP" \
     hosts.provider=addresses "hosts.addresses=[$all]" hosts.controller_ip="$MY_IP" \
     ${run_id:+run_id=$run_id} ${RUN_DIR:+run_dir=$RUN_DIR} "$@" ${MONARCH_SKY_ARGS:-}  # later overrides win
 }
@@ -291,7 +299,7 @@ case "$ROLE" in
       REPLACE=(hosts.provider=skypilot hosts.recipe_yaml="$RECIPE_YAML")
     fi
     RC=0
-    train "$(IFS=,; echo "${ADDRS[*]}")" $((NODES * PER_NODE)) ${REPLACE[@]+"${REPLACE[@]}"} || RC=$?
+    train "$(IFS=,; echo "${ADDRS[*]}")" $((NODES * PER_NODE / PER_GROUP)) ${REPLACE[@]+"${REPLACE[@]}"} || RC=$?
     wait_workers || true  # the controller's status is this node's: it has judged every worker
     exit "$RC"
     ;;

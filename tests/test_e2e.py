@@ -128,6 +128,24 @@ def test_host_loss_replacement_host_rejoins_from_peer(run_dir):
     assert replaced["host"] != lost["host"], "the group moved to a new host"
 
 
+def test_group_spanning_two_hosts_loses_one_and_heals_on_a_replacement(run_dir):
+    # Each group is one FSDP mesh over two hosts; the host fault takes one of group 1's.
+    run = train(run_dir, "replicas=2", "hosts_per_replica=2", "procs_per_replica=1", "steps=100",
+                "faults=host@15:1", "hosts.provision_delay_s=1")
+    assert_recovered(run, "host", replica=1, replicas=2)  # the heal carried all of both ranks' shards
+    [ready] = [e for e in run.events if e["event"] == "hosts_ready"]
+    assert len(ready["hosts"]) == 4
+    started = {(e["replica"], e["generation"]): e["hosts"] for e in run.events if e["event"] == "replica_started"}
+    assert started[(0, 0)] == ready["hosts"][:2] and started[(1, 0)] == ready["hosts"][2:]
+    [lost] = [e["host"] for e in run.events if e["event"] == "host_lost"]
+    [replaced] = [e["host"] for e in run.events if e["event"] == "host_replaced"]
+    assert lost in started[(1, 0)]
+    rejoined = [e for e in run.events if e["event"] == "replica_rejoined"][-1]
+    kept_and_new = [replaced if h == lost else h for h in started[(1, 0)]]
+    assert started[(1, rejoined["generation"])] == kept_and_new, "only the lost host is replaced"
+    assert run.summary["hosts_per_replica"] == 2
+
+
 def test_replacement_host_never_arrives_training_finishes_without_it(run_dir):
     run = train(
         run_dir, "replicas=2", "steps=60", "faults=host@15:1",

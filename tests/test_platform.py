@@ -34,8 +34,11 @@ def test_controller_leaves_the_platform_and_threads_to_each_replica_host(tmp_pat
     assert spec.platform_kind == ""
     assert spec.on_host("rocm").platform_kind == "rocm"
     assert spec.on_host("rocm").on_host("cpu").platform_kind == "rocm", "a named platform is kept"
-    env = ctx.proc_env(Host(name="n1", ip="10.0.0.2", port=26600))
+    env = ctx.proc_env([Host(name="n1", ip="10.0.0.2", port=26600)])
     assert "OMP_NUM_THREADS" not in env, "a CPU controller must not limit GPU trainers' threads"
+    assert env[platform_mod.ADVERTISE_ENV] == "10.0.0.2"
+    # A group on two hosts: each host's worker gives its own processes their address.
+    assert platform_mod.ADVERTISE_ENV not in ctx.proc_env([Host("n1", "10.0.0.2", 26600), Host("n2", "10.0.0.3", 26600)])
     assert trainer_env(ctx.cfg, ctx.platform)["OMP_NUM_THREADS"] == "1"
 
 

@@ -190,7 +190,7 @@ def test_doctor_names_the_node_whose_worker_does_not_answer():
 RUN_CA = dict(zip((tls.CA_ENV, tls.CA_KEY_ENV), map(tls.as_secret, tls.new_ca())))
 
 
-def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str) -> dict[str, str]:
+def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str, **extra: str) -> dict[str, str]:
     return {
         **cli_env(tag),
         "SKYPILOT_NODE_RANK": str(rank),
@@ -205,16 +205,19 @@ def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str) -> dict
         "MONARCH_SKY_STATE": str(tmp / f"state{rank}"),
         "MONARCH_SKY_ARGS": args,
         **RUN_CA,  # the run's CA, as the recipes' secrets bring it: workers and controller speak TLS
+        **extra,
     }
 
 
-def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path):
-    tag, nodes = new_tag(), 3
+@pytest.mark.parametrize("nodes, per_group", [(3, 1), (4, 2)], ids=["group-per-node", "groups-span-2-nodes"])
+def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path, nodes, per_group):
+    tag, replicas = new_tag(), nodes // per_group
     args = f"steps=40 faults=kill@15:1 run_dir={tmp_path / 'runs'} wandb.mode=disabled"
+    group = {"HOSTS_PER_REPLICA": str(per_group), "PROCS_PER_REPLICA": str(2 // per_group)}
     procs = [
         subprocess.Popen(
             ["bash", str(REPO / "sky" / "bootstrap.sh")],
-            cwd=REPO, env=bootstrap_env(tag, rank, nodes, tmp_path, args),
+            cwd=REPO, env=bootstrap_env(tag, rank, nodes, tmp_path, args, **group),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for rank in range(nodes)
@@ -231,13 +234,16 @@ def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path):
         assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
     run = Run(0, outputs[0], tmp_path / "runs" / tag, leftovers(tag))
     s = run.summary
-    assert s["committed_steps"] == 40 and s["replicas"] == nodes
+    assert s["committed_steps"] == 40 and (s["replicas"], s["hosts_per_replica"]) == (replicas, per_group)
     assert s["unplanned_failures"] == [] and s["lost_replicas"] == []
     [fault] = s["faults"]
     assert fault["kind"] == "kill" and fault["recovered_from"] == "peer"
-    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == nodes
+    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == replicas
     hosts = next(e for e in run.events if e["event"] == "hosts_ready")["hosts"]
     assert hosts == [f"tls://127.0.0.{i + 1}:26600" for i in range(nodes)]
+    # consecutive nodes form a group: group 1 spans nodes 2 and 3 when groups span 2 nodes
+    started = {e["replica"]: e["hosts"] for e in run.events if e["event"] == "replica_started" and e["generation"] == 0}
+    assert started[1] == hosts[per_group:2 * per_group]
     assert "[node 1 doctor]" in outputs[1] and "[node 1 worker 0]" in outputs[1]
     assert run.leftovers == [], run.leftovers
 

@@ -20,7 +20,7 @@ class TrainerSpec:
     recipe: str
     replica: int  # index of this replica group
     replicas: int  # number of replica groups (TorchTitan's FT group_size: the data split)
-    procs_per_replica: int
+    procs_per_replica: int  # per host
     steps: int
     seed: int
     training: dict[str, Any]  # seq_len, local_batch_size, lr, warmup_steps
@@ -28,6 +28,12 @@ class TrainerSpec:
     ft: dict[str, Any]  # mode, sync_steps, process_group_timeout_ms, ...
     dump_folder: str
     platform_kind: str  # "cpu" | "rocm" | "cuda"; "" = what the replica's own host has
+    hosts_per_replica: int = 1
+
+    @property
+    def ranks(self) -> int:
+        """Processes in the group: FSDP shards the model over all of them, across its hosts."""
+        return self.procs_per_replica * self.hosts_per_replica
 
     @classmethod
     def from_job(cls, cfg, replica: int, dump_folder: str, platform_kind: str = "") -> "TrainerSpec":
@@ -44,6 +50,7 @@ class TrainerSpec:
             ft=dict(cfg.ft),
             dump_folder=dump_folder,
             platform_kind=platform_kind,
+            hosts_per_replica=cfg.hosts_per_replica,
         )
 
     def on_host(self, kind: str) -> "TrainerSpec":

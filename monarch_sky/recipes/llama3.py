@@ -173,7 +173,7 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str):
             disable_cuda_graphs=True,
         ),
         parallelism=ParallelismConfig(
-            data_parallel_shard_degree=spec.procs_per_replica,
+            data_parallel_shard_degree=spec.ranks,
             # The default spmd_types backend rejects FSDP over >1 rank here.
             spmd_backend="partial_dtensor",
         ),
