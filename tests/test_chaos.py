@@ -90,6 +90,28 @@ def test_a_chaos_schedule_of_every_kind_loses_nothing(tmp_path):
         print_medians(kind, [f for f in s["faults"] if f["kind"] == kind])
 
 
+@pytest.mark.chaos
+def test_chaos_on_groups_spanning_two_hosts_loses_nothing(tmp_path):
+    # Faults of every kind into groups of 2 hosts x 1 process: process faults on either host's
+    # rank, host faults on either host (the group keeps the other one).
+    run = train(
+        tmp_path, "replicas=2", "hosts_per_replica=2", "procs_per_replica=1", "steps=200", "faults=none",
+        "chaos.every_s=8", "chaos.seed=3", "hosts.max_replacements=10", "ft.max_restarts=20", timeout_s=1200,
+    )
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert len(s["faults"]) >= 4, f"too little chaos to show anything: {s['faults']}"
+    assert s["unplanned_failures"] == [] and s["lost_replicas"] == [] and s["progress_lost"] == [], s
+    assert all(f["recovered_from"] in ("peer", "in place") for f in s["faults"]), s["faults"]
+    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 2
+    assert run.leftovers == [], run.leftovers
+    ranks = {f["rank"] for f in s["faults"] if f["rank"] is not None}
+    print(f"\nchaos on 2-host groups: {len(s['faults'])} faults, process faults on ranks {sorted(ranks)}")
+    (tmp_path / "span-timings.json").write_text(json.dumps(s["faults"], indent=2))
+    for kind in sorted({f["kind"] for f in s["faults"]}):
+        print_medians(kind, [f for f in s["faults"] if f["kind"] == kind])
+
+
 def print_medians(kind: str, rows: list[dict]) -> None:
     keys = ("detected_s", "survivors_resumed_s", "rejoined_s")
     medians = {
