@@ -1,16 +1,18 @@
 """Where replica groups run: host providers behind one interface.
 
 A host is a machine running a Monarch worker loop (`monarch-sky worker`). The controller
-only sees `Host` addresses from a `HostProvider`; it attaches to each host as its own
-Monarch HostMesh, so that losing one host never touches the meshes of the others.
+only sees `Host` addresses from a `HostProvider`; it attaches to each replica group's hosts
+(`hosts_per_replica` of them) as their own Monarch HostMesh, so that losing one host never
+touches the meshes of the other groups.
 
 Providers:
 - `LocalHosts`: this machine; each host is a worker-loop process on loopback, in its own
   process group (out of reach of the terminal's Ctrl-C, which the controller handles), so it
   can be killed alone with everything it started, as a preemption would.
   Asked for a replacement, it plays a cloud: a new worker after `provision_delay_s`.
-- `AddressListHosts`: a fixed list of `IP:PORT` workers (a SkyPilot cluster's nodes, started
-  by `sky/bootstrap.sh`); addresses beyond the first `count` are spares for replacements.
+- `AddressListHosts` (`monarch_sky.address_hosts`): a fixed list of `IP:PORT` workers (a
+  SkyPilot cluster's nodes, started by `sky/bootstrap.sh`); addresses beyond the first
+  `count` are spares for replacements.
 - `SkyPilotHosts` (`monarch_sky.sky_hosts`): the same list, and a replacement is a new
   one-node SkyPilot cluster launched from the recipe YAML (worker role only), torn down
   when the run ends.
@@ -147,62 +149,6 @@ class LocalHosts(HostProvider):
         reap_run(self.run_id)
 
 
-COMEBACK_PORT_STEP = 100  # a node's restarted worker listens this much above the last one
-COMEBACK_PORTS = 5  # how many such moves the controller looks for
-
-
-class AddressListHosts(HostProvider):
-    """Workers at fixed addresses, already running (started by the node bootstrap)."""
-
-    def __init__(self, addresses: list[str], controller_ip: str, wait_s: float = 300.0):
-        self.hosts = [parse_address(a, name=f"node-{i}") for i, a in enumerate(addresses)]
-        self._controller_ip = controller_ip
-        self.wait_s = wait_s
-        self._spares: list[Host] = []
-        self._closed = threading.Event()
-
-    def start(self, count: int) -> list[Host]:
-        if count > len(self.hosts):
-            raise HostError(f"{count} replica groups need {count} hosts, but only {len(self.hosts)} addresses were given")
-        for host in self.hosts:
-            self._wait_up(host)
-        self._spares = self.hosts[count:]
-        return self.hosts[:count]
-
-    def replace(self, lost: Host) -> Host:
-        """A spare if there is one, else the lost node's worker once it is back: on a port
-        COMEBACK_PORT_STEP above the lost one (sky/bootstrap.sh moves a restarted worker
-        there), since Monarch 0.7.0 never attaches a controller to a new worker at the
-        address of one that died under it. The lost address itself comes last: a job group's
-        relaunched task keeps its name and port on a new pod (its attach is untested)."""
-        if self._spares:
-            return self._spares.pop(0)
-        comebacks = [
-            Host(name=f"{lost.name}-p{port}", ip=lost.ip, port=port)
-            for port in range(lost.port + COMEBACK_PORT_STEP, 65536, COMEBACK_PORT_STEP)[:COMEBACK_PORTS]
-        ]
-        return self._wait_up(*comebacks, lost)
-
-    def _wait_up(self, *hosts: Host) -> Host:
-        """The first of `hosts` whose worker listens (within wait_s)."""
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            for host in hosts:
-                if self.alive(host):
-                    return host
-            if time.monotonic() > deadline:
-                where = " or ".join(h.address for h in hosts)
-                raise HostError(f"no worker listening at {where} within {self.wait_s:.0f}s")
-            if self._closed.wait(1.0):
-                raise HostError("the run is shutting down")
-
-    def controller_ip(self) -> str:
-        return self._controller_ip
-
-    def shutdown(self) -> None:
-        self._closed.set()  # the workers belong to the nodes; Monarch stops our processes
-
-
 def parse_address(address: str, name: str) -> Host:
     """`IP:PORT`, `tcp://IP:PORT` or `tls://IP:PORT` -> Host."""
     text = address.strip().removeprefix("tcp://").removeprefix("tls://")
@@ -301,6 +247,8 @@ def make_provider(settings, run_id: str, log_dir: str) -> HostProvider:
             wait_s=settings.provision_timeout_s,
         )
     if settings.provider == "addresses":
+        from monarch_sky.address_hosts import AddressListHosts
+
         return AddressListHosts(
             list(settings.addresses), settings.controller_ip, wait_s=settings.provision_timeout_s
         )

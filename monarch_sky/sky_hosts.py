@@ -16,7 +16,8 @@ import os
 import subprocess
 import time
 
-from monarch_sky.hosts import AddressListHosts, Host, HostError
+from monarch_sky.address_hosts import AddressListHosts
+from monarch_sky.hosts import Host, HostError
 
 
 class SkyPilotHosts(AddressListHosts):

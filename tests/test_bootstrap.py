@@ -261,7 +261,8 @@ def test_a_node_that_fails_its_preflight_asks_for_a_new_host(tmp_path):
 def test_a_worker_that_dies_comes_back_on_a_port_the_controller_can_attach_to(tmp_path):
     """Monarch 0.7.0 never re-attaches a controller to a new worker at a dead worker's address:
     the bootstrap starts it again COMEBACK_PORT_STEP higher, where AddressListHosts looks."""
-    from monarch_sky.hosts import COMEBACK_PORT_STEP, AddressListHosts, Host
+    from monarch_sky.address_hosts import COMEBACK_PORT_STEP, AddressListHosts
+    from monarch_sky.hosts import Host
 
     tag, port = new_tag(), free_port()
     moved = port + COMEBACK_PORT_STEP

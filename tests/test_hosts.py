@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from monarch_sky.hosts import AddressListHosts, HostError, LocalHosts, parse_address
+from monarch_sky.address_hosts import AddressListHosts
+from monarch_sky.hosts import HostError, LocalHosts, parse_address
 
 
 def listening_socket() -> socket.socket:
