@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from monarch_sky import hub_assets
+from monarch_sky.checkpoints import CheckpointSpec
 from monarch_sky.recipes import llama3
 
 
@@ -28,9 +29,12 @@ class TrainerSpec:
     ft: dict[str, Any]  # mode, sync_steps, process_group_timeout_ms, ...
     dump_folder: str
     platform_kind: str  # "cpu" | "rocm" | "cuda"; "" = what the replica's own host has
+    checkpoint: CheckpointSpec | None = None  # the last resort; None: no checkpointer at all
 
     @classmethod
-    def from_job(cls, cfg, replica: int, dump_folder: str, platform_kind: str = "") -> "TrainerSpec":
+    def from_job(
+        cls, cfg, replica: int, dump_folder: str, platform_kind: str = "", checkpoint: CheckpointSpec | None = None
+    ) -> "TrainerSpec":
         """The spec for replica group `replica` of a validated job config."""
         return cls(
             recipe=cfg.recipe,
@@ -44,6 +48,7 @@ class TrainerSpec:
             ft=dict(cfg.ft),
             dump_folder=dump_folder,
             platform_kind=platform_kind,
+            checkpoint=checkpoint,
         )
 
     def on_host(self, kind: str) -> "TrainerSpec":
