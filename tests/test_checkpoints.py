@@ -116,3 +116,33 @@ def test_a_checkpoint_of_another_shape_is_not_loaded(tmp_path):
     assert resume_from(cfg, previous) is None
     message = restart_message("r1", previous)
     assert "procs_per_replica" in message and "starts again from step 0" in message
+
+
+def load_cost_tool():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("checkpoint_cost", REPO / "tools" / "checkpoint_cost.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_cost_tool_charges_each_save_the_slowdown_of_the_steps_after_it():
+    tool = load_cost_tool()
+    # Steps every 1.0 s; saves after steps 20 and 40 make the next step 0.5 s late and the
+    # one after 0.25 s late (the background write).
+    late = {21: 0.5, 22: 0.25, 41: 0.5, 42: 0.25}
+    wall, steps = 0.0, []
+    for step in range(1, 61):
+        wall += 1.0 + late.get(step, 0.0)
+        steps += [{"replica": r, "step": step, "committed": True, "wall": wall + 0.01 * r} for r in (0, 1)]
+    events = [{"event": "checkpoint_staged", "replica": 0, "step": s, "blocking_s": 0.4, "waited_s": 0.45} for s in (20, 40)]
+    got = tool.analyze(events, steps)
+    assert got["saves"] == 2 and got["blocking_s"] == 0.4 and got["save_call_s"] == 0.45
+    assert got["step_gap_s"] == pytest.approx(1.0)
+    assert got["extra_s_per_save"] == pytest.approx(0.75)
+    assert got["step_ratio_after_save"] == pytest.approx(1.25)
+    with pytest.raises(ValueError, match="no checkpoint was saved"):
+        tool.analyze([], steps)
