@@ -146,3 +146,16 @@ def test_the_cost_tool_charges_each_save_the_slowdown_of_the_steps_after_it():
     assert got["step_ratio_after_save"] == pytest.approx(1.25)
     with pytest.raises(ValueError, match="no checkpoint was saved"):
         tool.analyze([], steps)
+
+
+def test_checkpoints_are_off_locally_and_on_in_the_cloud_recipes():
+    from omegaconf import OmegaConf
+
+    from monarch_sky.config import JobConfig
+    from monarch_sky.recipes import RECIPES
+
+    def every_min(recipe: str) -> float:
+        return OmegaConf.merge(OmegaConf.structured(JobConfig), RECIPES[recipe].job_defaults).checkpoint.every_min
+
+    assert every_min("llama3_tiny") == every_min("llama3_debug") == 0
+    assert 0 < every_min("llama3_8b") < every_min("llama3_70b")

@@ -73,6 +73,12 @@ def hub_data(tokenizer_repo: str) -> dict[str, Any]:
     return {"tokenizer_path": None, "tokenizer_repo": tokenizer_repo, "dataset": "c4", "dataset_path": None}
 
 
+# Minutes between last-resort checkpoints for about 1% of the throughput: a save pauses
+# training for its staging, 12 bytes a parameter per rank (12.0 GB for 8B, 105.8 GB for 70B,
+# 8 ranks) at the 0.97-1.28 GB/s DCP staged here (tools/checkpoint_cost.py, README
+# "Checkpoints (last resort)"): 10-13 s and 83-109 s a save, every 16-21 and 138-181 min.
+CHECKPOINT_EVERY_MIN = {"llama3_8b": 20.0, "llama3_70b": 180.0}
+
 RECIPES: dict[str, Recipe] = {
     "llama3_tiny": Recipe(
         name="llama3_tiny",
@@ -113,6 +119,7 @@ RECIPES: dict[str, Recipe] = {
             "steps": 1000,
             "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 3e-4, "warmup_steps": 200},
             "data": hub_data("meta-llama/Llama-3.1-8B"),
+            "checkpoint": {"every_min": CHECKPOINT_EVERY_MIN["llama3_8b"]},
         },
     ),
     "llama3_70b": Recipe(
@@ -127,6 +134,7 @@ RECIPES: dict[str, Recipe] = {
             "steps": 1000,
             "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 1.5e-4, "warmup_steps": 200},
             "data": hub_data("meta-llama/Llama-3.1-70B"),
+            "checkpoint": {"every_min": CHECKPOINT_EVERY_MIN["llama3_70b"]},
         },
     ),
 }
