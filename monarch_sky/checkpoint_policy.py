@@ -104,7 +104,11 @@ class CheckpointPolicy:
             ctx.ledger.run_step = ctx.ledger.logged_step = step
             for slot in ctx.slots:
                 slot.step = step
-            ctx.record.event("resumed_from_checkpoint", step=step, path=str(self.resume.path))
+            past = [f for f in ctx.injector.pending if f.step <= step]  # the lost attempt's to inject
+            for fault in past:
+                ctx.injector.pending.remove(fault)
+            ctx.record.event("resumed_from_checkpoint", step=step, path=str(self.resume.path),
+                             faults_skipped=[str(f) for f in past])
             ctx.phase(f"resumed from the checkpoint at step {step} ({self.resume.path})")
         if self.enabled:
             ctx.record.event("checkpoints_on", every_min=self.settings.every_min, folder=str(self.folder))
