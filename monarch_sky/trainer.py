@@ -79,7 +79,8 @@ class GroupTrainer:
         self.state = RankLocalState(trainer, on_load=self._mark_healed)
         self.manager.register_state_dict_fn(STATE_KEY, self.state.load, self.state.state_dict)
         # Before DiLoCo's context, which takes the (loaded) parameters as its originals.
-        self.checkpoint, resumed_data = trainer_checkpoint.attach(trainer, self.manager, self.spec.checkpoint, self._rejoining)
+        last_resort = self.spec.checkpoint
+        self.checkpoint, resumed_data = trainer_checkpoint.attach(trainer, self.manager, last_resort, self._rejoining)
         data_state = data_state or resumed_data
         self._context = contextlib.ExitStack()
         semi_sync = self._context.enter_context(
@@ -291,12 +292,8 @@ class GroupTrainer:
         return float(loss.item())
 
     def save_checkpoint(self, step: int) -> dict:
-        """The last resort: stage a checkpoint of committed step `step` (the controller asks
-        one group, between its steps); the write goes on in the background."""
-        if self.checkpoint is None or step != self.progress():
-            why = "no checkpointer (checkpoint.every_min=0)" if self.checkpoint is None else f"at step {self.progress()}"
-            return {"step": step, "blocking_s": 0.0, "error": f"cannot save step {step}: {why}"}
-        return self.checkpoint.save(step)
+        """The last resort: stage committed step `step`; the files are written in the background."""
+        return trainer_checkpoint.save(self.checkpoint, step, self.progress())
 
     def final_state(self) -> dict:
         """What the run record keeps of this rank at the end (no collective)."""

@@ -114,7 +114,17 @@ class TrainerCheckpoint:
             self.checkpointer.close()
 
 
-def attach(trainer, manager, spec: CheckpointSpec | None, rejoining: bool) -> tuple[TrainerCheckpoint | None, dict | None]:
+def save(checkpoint: TrainerCheckpoint | None, step: int, progress: int) -> dict[str, Any]:
+    """What a save request from the controller gets: the save, or why there was none."""
+    if checkpoint is None or step != progress:
+        why = "no checkpointer (checkpoint.every_min=0)" if checkpoint is None else f"the trainer is at step {progress}"
+        return {"step": step, "blocking_s": 0.0, "error": f"cannot save step {step}: {why}"}
+    return checkpoint.save(step)
+
+
+def attach(
+    trainer, manager, spec: CheckpointSpec | None, rejoining: bool
+) -> tuple[TrainerCheckpoint | None, dict | None]:
     """This rank's checkpointer (None when the run has none) and, when the run resumes and
     this group is not rejoining, the checkpoint loaded and this rank's data position."""
     if spec is None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import time
 
+from monarch_sky.healing import STATE_KEY
+
 
 def _save_and_load(tmp: str, queue) -> None:
     import os
@@ -19,7 +21,6 @@ def _save_and_load(tmp: str, queue) -> None:
 
     from monarch_sky.checkpoints import CheckpointSpec
     from monarch_sky.config import load_job
-    from monarch_sky.healing import STATE_KEY
     from monarch_sky.hosts import free_port
     from monarch_sky.recipes import TrainerSpec
     from monarch_sky.trainer import GroupTrainer
@@ -84,7 +85,7 @@ def test_torchtitan_checkpoint_saves_and_loads_the_training_state_and_leaves_hea
     proc.start()
     result = queue.get(timeout=300)
     proc.join(timeout=60)
-    assert result["healing_fns"] == ["monarch_sky"], "the checkpointer must not register state with TorchFT"
+    assert result["healing_fns"] == [STATE_KEY], "the checkpointer must not register state with TorchFT"
     assert [s["step"] for s in result["saves"]] == [1, 2, 3, 4]
     assert all(s["error"] is None and s["blocking_s"] >= 0 for s in result["saves"]), result["saves"]
     assert "cannot save step 3" in result["refused"]["error"]
