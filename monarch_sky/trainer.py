@@ -78,9 +78,13 @@ class GroupTrainer:
             platform_mod.force_sum_reduction(trainer.model_parts)
         self.state = RankLocalState(trainer, on_load=self._mark_healed)
         self.manager.register_state_dict_fn(STATE_KEY, self.state.load, self.state.state_dict)
+        self._diloco = config.fault_tolerance.semi_sync_method is not None
+        self._sync_steps = config.fault_tolerance.sync_steps
+        self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
         # Before DiLoCo's context, which takes the (loaded) parameters as its originals.
-        last_resort = self.spec.checkpoint
-        self.checkpoint, resumed_data = trainer_checkpoint.attach(trainer, self.manager, last_resort, self._rejoining)
+        self.checkpoint, resumed_data = trainer_checkpoint.attach(
+            trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress
+        )
         data_state = data_state or resumed_data
         self._context = contextlib.ExitStack()
         semi_sync = self._context.enter_context(
@@ -93,13 +97,10 @@ class GroupTrainer:
                 fragment_fn=config.model_spec.fragment_fn,
             )
         )
-        self._diloco = config.fault_tolerance.semi_sync_method is not None
-        self._sync_steps = config.fault_tolerance.sync_steps
         if self._diloco:
             # Registered after DiLoCo's own state, so it loads last (see `_contribute_nothing`).
             self.manager.register_state_dict_fn(REJOIN_KEY, self._contribute_nothing, dict)
             self._fragments = semi_sync._fragments  # torchft has no public accessor
-        self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         name = f"replica{self.spec.replica}-rank{rank}"
         self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)

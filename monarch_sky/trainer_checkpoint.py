@@ -15,15 +15,15 @@ checkpoints on, or resumes from one, and it never touches healing:
   (and, before the next optimizer step, for a pinned-memory stage still in flight).
 - Loading happens once, when a restarted controller resumes a run and the group is not
   rejoining: a group that rejoins a running job always heals from a peer instead.
-- The step saved is TorchFT's committed step (`manager.state_dict()`), which is what the
-  run counts; the data position comes from the controller (the dataloader is saved by
+- The step saved is TorchFT's committed step (`manager.state_dict()`; DiLoCo: syncs, and
+  saves happen only at syncs); a checkpoint folder is named for the run's step. The data position comes from the controller (the dataloader is saved by
   TorchTitan but never loaded: each group reads its own shard, and only one group saves).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from monarch_sky.checkpoints import CheckpointSpec
 
@@ -32,12 +32,13 @@ class CommittedProgress:
     """The run's position as TorchFT counts it (a DCP `Stateful`): committed steps, not
     torchtitan's step counter, which also advances on steps TorchFT did not commit."""
 
-    def __init__(self, trainer, manager):
+    def __init__(self, trainer, manager, progress: Callable[[], int]):
         self._trainer = trainer
         self._manager = manager
+        self._progress = progress  # the run's committed steps (DiLoCo: syncs x sync_steps + inner)
 
     def state_dict(self) -> dict[str, Any]:
-        return {**self._manager.state_dict(), "ntokens_seen": self._trainer.ntokens_seen}
+        return {**self._manager.state_dict(), "ntokens_seen": self._trainer.ntokens_seen, "progress": self._progress()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._manager.load_state_dict({"step": state["step"], "batches_committed": state["batches_committed"]})
@@ -46,7 +47,7 @@ class CommittedProgress:
 
 
 class TrainerCheckpoint:
-    def __init__(self, trainer, manager, spec: CheckpointSpec):
+    def __init__(self, trainer, manager, spec: CheckpointSpec, progress: Callable[[], int]):
         from torchtitan.components.checkpoint import DATALOADER, TRAIN_STATE, CheckpointManager
 
         config = CheckpointManager.Config(
@@ -59,7 +60,7 @@ class TrainerCheckpoint:
             initial_load_model_only=False,
         )
         self._optimizers = trainer.optimizers
-        self._progress = CommittedProgress(trainer, manager)
+        self._progress = CommittedProgress(trainer, manager, progress)
         self.checkpointer = CheckpointManager(
             config,
             dataloader=trainer.dataloader,
@@ -81,7 +82,7 @@ class TrainerCheckpoint:
         self._refresh_optimizer_view()
         if not self.checkpointer.load(step=step):
             raise RuntimeError(f"no checkpoint at step {step} in {self.checkpointer.folder}")
-        loaded = self._progress.state_dict()["step"]
+        loaded = self._progress.state_dict()["progress"]
         if loaded != step:
             raise RuntimeError(f"the checkpoint in step-{step} holds step {loaded}")
         return {"step": loaded, "load_s": round(time.perf_counter() - began, 3)}
@@ -123,13 +124,13 @@ def save(checkpoint: TrainerCheckpoint | None, step: int, progress: int) -> dict
 
 
 def attach(
-    trainer, manager, spec: CheckpointSpec | None, rejoining: bool
+    trainer, manager, spec: CheckpointSpec | None, rejoining: bool, progress: Callable[[], int]
 ) -> tuple[TrainerCheckpoint | None, dict | None]:
     """This rank's checkpointer (None when the run has none) and, when the run resumes and
     this group is not rejoining, the checkpoint loaded and this rank's data position."""
     if spec is None:
         return None, None
-    checkpoint = TrainerCheckpoint(trainer, manager, spec)
+    checkpoint = TrainerCheckpoint(trainer, manager, spec, progress)
     if spec.resume_step is None or rejoining:
         return checkpoint, None
     checkpoint.load(spec.resume_step)
