@@ -156,3 +156,20 @@ def test_a_resumed_run_ends_with_the_weights_of_a_run_never_interrupted(tmp_path
     if partial:
         pytest.skip(f"a step committed without both groups (a slow machine), so the runs differ anyway: {partial}")
     assert run.summary["final_param_digest"] == plain.summary["final_param_digest"]
+
+
+@pytest.mark.chaos
+def test_a_diloco_run_resumes_from_a_checkpoint_taken_at_a_sync(tmp_path):
+    # DiLoCo checkpoints only at syncs; its TorchFT step counts syncs, the run's step is
+    # syncs x sync_steps. (Its outer-optimizer momentum is not saved: no weight comparison.)
+    tag = new_tag()
+    args = ("replicas=2", "procs_per_replica=1", "steps=40", "faults=none", "ft.standby=false",
+            "ft.mode=diloco", "ft.sync_steps=5", "checkpoint.every_min=0.03")
+    kill_once_checkpointed(tmp_path, tag, *args)
+    run = train(tmp_path, *args, tag=tag)
+    assert run.returncode == 0, run.output[-3000:]
+    step = run.summary["previous_controller"]["resumed_from_step"]
+    assert step > 0 and step % 5 == 0, step
+    assert run.summary["committed_steps"] == 40
+    assert len(set(run.summary["final_param_digest"].values())) == 1
+    assert run.leftovers == []
