@@ -87,6 +87,16 @@ class ChaosSettings:
 
 
 @dataclass
+class CheckpointSettings:
+    """The last resort when no group is left to heal from (see monarch_sky/checkpoints.py)."""
+
+    every_min: float = 0.0  # minutes between checkpoints; 0: none (the local default)
+    folder: Optional[str] = None  # None: <run_dir>/<run_id>/checkpoints; every node must see it
+    keep: int = 3  # newest checkpoints kept (0: all); TorchTitan purges the older ones
+    async_mode: str = "async"  # TorchTitan's: "async" (staged on the step loop) or "async_with_pinned_mem"
+
+
+@dataclass
 class WandbSettings:
     mode: str = "auto"  # auto: online if WANDB_API_KEY is set, else offline; or disabled
     project: str = "monarch-sky"
@@ -110,6 +120,7 @@ class JobConfig:
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
     hosts: HostSettings = field(default_factory=HostSettings)
     chaos: ChaosSettings = field(default_factory=ChaosSettings)
+    checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
     wandb: WandbSettings = field(default_factory=WandbSettings)
 
 

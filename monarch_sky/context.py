@@ -31,6 +31,7 @@ class RunContext:
     injector: Any = None  # FaultInjector
     ledger: Any = None  # StepLedger
     router: Any = None  # supervision.FailureRouter
+    checkpoints: Any = None  # checkpoint_policy.CheckpointPolicy
     lighthouse_address: str = ""
     replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")
     groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
@@ -50,7 +51,8 @@ class RunContext:
         return str(self.record.path / "torchtitan" / f"replica_{index}")
 
     def spec(self, index: int) -> TrainerSpec:
-        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index))  # platform: the host's own
+        checkpoint = self.checkpoints.spec_for(index) if self.checkpoints is not None else None
+        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), checkpoint=checkpoint)  # platform: the host's own
 
     def refuse_platform(self, platform: str) -> str | None:
         """Why a group on `platform` may not train, or None. Every group must have the same

@@ -16,6 +16,7 @@ from typing import Any
 
 from monarch_sky import platform as platform_mod
 from monarch_sky import heal_budget, supervision, tls
+from monarch_sky.checkpoint_policy import CheckpointPolicy
 from monarch_sky.config import Job
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog, exited_on_hosts
@@ -43,11 +44,13 @@ class Controller:
         tracker: Tracker,
         display: Display,
         previous_controller: dict[str, Any] | None = None,  # what a dead controller of this run left
+        resume=None,  # checkpoints.Found: the checkpoint a restarted run goes on from
     ):
         cfg = job.config
         self.ctx = ctx = RunContext(cfg, provider, record, tracker, display, platform_mod.detect())
         ctx.injector = FaultInjector(job.faults, cfg.seed, cfg.procs_per_replica * cfg.hosts_per_replica, record, display, tracker)
         ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
+        ctx.checkpoints = CheckpointPolicy(ctx, resume)
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
         self.watchdog = HostWatchdog(cfg.hosts.dead_after_s)
@@ -69,6 +72,7 @@ class Controller:
             if not any(started):
                 raise RuntimeError("no replica group could start; see replica_start_failed in events.jsonl")
             await self._warm_standbys()
+            ctx.checkpoints.start_training()
             ctx.phase(f"training {ctx.cfg.steps} steps")
             ctx.record.event("training_started", replicas=len(self.slots))
             ctx.in_background(self._detect())

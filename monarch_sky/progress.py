@@ -73,7 +73,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("committed steps", f"{s['committed_steps']}/{s['target_steps']}"),
         ("loss", f"{_num(loss.get('first'))} -> {_num(loss.get('last'))}"),
         ("wall time", f"{s['wall_s']:.1f}s"),
-        ("checkpoints written", str(s["checkpoints_written"])),
+        ("checkpoints written", _checkpoints(s)),
         ("final digests", _digests(s.get("final_param_digest") or {}, s["replicas"])),
         ("outcome", _outcome(s.get("outcome") or {})),
     ]
@@ -102,6 +102,14 @@ def format_summary(s: dict[str, Any]) -> str:
 def group_shape(procs: int, hosts: int) -> str:
     """What one replica group is made of: "2 processes", or "2 hosts x 8 processes"."""
     return f"{hosts} hosts x {procs} processes" if hosts > 1 else f"{procs} processes"
+
+
+def _checkpoints(s: dict[str, Any]) -> str:
+    text = str(s["checkpoints_written"])
+    previous = s.get("previous_controller") or {}
+    if previous.get("resumed_from_step") is not None:
+        text += f" (resumed from the checkpoint at step {previous['resumed_from_step']}, {previous['steps_lost']} steps lost)"
+    return text
 
 
 def _num(value) -> str:

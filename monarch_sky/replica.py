@@ -2,8 +2,8 @@
 
 An actor mesh of ReplicaActors is one replica group: N processes (N GPUs) training one
 model copy with FSDP, kept in step with the other groups by TorchFT. The controller calls
-the mesh's endpoints (`warm`, `setup`, `step`, `final_state`, `close`); every rank runs them together
-because the group's FSDP collectives need all of its ranks.
+the mesh's endpoints (`warm`, `setup`, `step`, `save_checkpoint`, `final_state`, `close`); every
+rank runs them together because the group's FSDP collectives need all of its ranks.
 """
 
 from __future__ import annotations
@@ -69,6 +69,10 @@ class ReplicaActor(Actor):
     @endpoint
     def join(self) -> StepResult:
         return self.trainer.join()
+
+    @endpoint
+    def save_checkpoint(self, step: int) -> dict:
+        return self.trainer.save_checkpoint(step)
 
     @endpoint
     def final_state(self) -> dict:
@@ -169,6 +173,13 @@ class ReplicaGroup:
     async def join(self, timeout_s: float) -> StepResult:
         """DiLoCo: heal at the other groups' next sync (see `GroupTrainer.join`)."""
         return combine(list((await self._call(self.actors.join.call(), timeout_s)).values()))
+
+    async def save_checkpoint(self, step: int, timeout_s: float) -> dict:
+        """Stage a checkpoint of committed step `step` on every rank (the writes go on in
+        the background): the slowest rank's blocking seconds, and the first error if any."""
+        per_rank = list((await self._call(self.actors.save_checkpoint.call(step), timeout_s)).values())
+        errors = [r["error"] for r in per_rank if r["error"]]
+        return {"blocking_s": max(r["blocking_s"] for r in per_rank), "error": errors[0] if errors else None}
 
     async def final_state(self, timeout_s: float) -> dict:
         """Rank 0's final state, with the group's digest combined from every rank's shards."""

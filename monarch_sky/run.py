@@ -13,6 +13,7 @@ import signal
 import sys
 from datetime import datetime
 
+from monarch_sky.checkpoint_policy import restart_message, resume_from
 from monarch_sky.config import EXIT_CONFIG, Job
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
@@ -74,14 +75,11 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         print(f"monarch-sky: config error: run_id: {e}; pick another run_id", file=sys.stderr)
         return EXIT_CONFIG
     display = Display(cfg.steps)
+    resume = None
     if previous is not None:
         previous["reaped_processes"] = reap_run(run_id, EVERYTHING)
-        display.line(
-            f"monarch-sky: run {run_id} lost its previous controller ({previous['ended']}) at step {previous['last_step']} "
-            f"(last recorded); reaped {previous['reaped_processes']} processes it left behind. "
-            f"There is no checkpoint, so those {previous['last_step']} steps are lost: "
-            "training starts again from step 0."
-        )
+        resume = resume_from(cfg, previous)  # the newest checkpoint, if the run has one
+        display.line(restart_message(run_id, previous))
     record = RunRecord(cfg.run_dir, run_id)
     if previous is not None:
         record.event("controller_restarted", **previous)
@@ -96,7 +94,7 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         hosts_log = record.path / "hosts"
         hosts_log.mkdir(exist_ok=True)
         provider = make_provider(cfg.hosts, run_id, str(hosts_log))
-    controller = Controller(job, provider, record, tracker, display, previous_controller=previous)
+    controller = Controller(job, provider, record, tracker, display, previous_controller=previous, resume=resume)
     try:
         summary = asyncio.run(run_until_stopped(controller))
     except (Stopped, KeyboardInterrupt) as e:

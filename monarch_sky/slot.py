@@ -144,7 +144,9 @@ class Slot:
         call = asyncio.ensure_future(group.step(ctx.cfg.timeouts.step_s))
         await asyncio.sleep(0)  # let the step go out before a fault aims at it
         ctx.injector.fire_due(self.index, ctx.ledger.run_step, group, self.kill_host, ctx.ledger.step_seconds)
-        self.on_result(await self._timed(call, issued), issued)
+        result = await self._timed(call, issued)
+        self.on_result(result, issued)
+        await ctx.checkpoints.after_step(self, result)  # the last resort, when due (checkpoint_policy)
 
     async def _timed(self, call, issued: float):
         """Await a step call, letting the hang check see how long it has been out."""

@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any
 
+from monarch_sky import checkpoints
 from monarch_sky.context import RunContext
 from monarch_sky.outcome import judge
 
@@ -28,7 +29,7 @@ def build_summary(
         "platform": ctx.replica_platform or ctx.platform.kind,  # the trainers' hosts, e.g. "rocm x8"
         "target_steps": cfg.steps,
         "committed_steps": ctx.ledger.run_step,
-        "checkpoints_written": sum(len(checkpoint_files(ctx.dump_folder(i))) for i in range(cfg.replicas)),
+        "checkpoints_written": checkpoints_written(ctx),
         "loss": ctx.ledger.first_and_last_loss(),
         "wall_s": round(time.monotonic() - ctx.start_time, 3),
         "final_param_digest": {k: v["digest"] for k, v in final.items()},
@@ -42,10 +43,18 @@ def build_summary(
         "progress_lost": ctx.progress_lost,
         "restarts": {str(s.index): s.restarts for s in slots},
         "previous_controller": previous_controller,
+        "checkpoint": ctx.checkpoints.summary() if ctx.checkpoints is not None else None,
         "tracking_error": ctx.tracker.error,
     }
     summary["outcome"] = judge(summary)
     return summary
+
+
+def checkpoints_written(ctx: RunContext) -> int:
+    """Every checkpoint file of the run: in the last-resort folder (`checkpoint.every_min`)
+    and anything a torchtitan checkpointer wrote under a replica's dump folder."""
+    dumped = sum(len(checkpoint_files(ctx.dump_folder(i))) for i in range(ctx.cfg.replicas))
+    return dumped + len(checkpoints.files(checkpoints.folder_for(ctx.cfg)))
 
 
 def checkpoint_files(dump_folder: str) -> list[str]:

@@ -76,18 +76,24 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
     events_path = path / "events.jsonl"
     if not events_path.exists():
         return None
-    events = []
-    for line in events_path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except ValueError:  # the last line may be cut off
-            continue
-    steps = [e["step"] for e in events if e.get("event") == "progress"]
+    events = _json_lines(events_path)
+    steps = [e["step"] for e in events if e.get("event") == "progress"]  # every 5% of the run
+    steps += [s["step"] for s in _json_lines(path / "steps.jsonl") if s.get("committed")]  # every step
     return {
         "last_step": max(steps, default=0),
         "faults_injected": sum(e.get("event") == "fault_injected" for e in events),
         "ended": ended or "controller lost",
     }
+
+
+def _json_lines(path: Path) -> list[dict[str, Any]]:
+    lines = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            lines.append(json.loads(line))
+        except ValueError:  # the last line may be cut off
+            continue
+    return lines
 
 
 def wandb_mode(setting: str) -> str:

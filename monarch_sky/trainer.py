@@ -9,7 +9,9 @@ needs on top of torchtitan 0.3.0:
   advances them on every step, so a replica that missed a commit drifts);
 - the loss is reduced inside the replica group only, so reporting it never waits on a
   peer group that may be dead;
-- healing state is rank-local (see `monarch_sky.healing`).
+- healing state is rank-local (see `monarch_sky.healing`);
+- a last-resort checkpoint, when the run has them, never touches healing
+  (see `monarch_sky.trainer_checkpoint`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import time
 import torch
 
 from monarch_sky import platform as platform_mod
-from monarch_sky import test_hooks
+from monarch_sky import test_hooks, trainer_checkpoint
 from monarch_sky.data_position import DataPosition
 from monarch_sky.digest import shard_digest
 from monarch_sky.recipes import RECIPES, TrainerSpec
@@ -76,6 +78,14 @@ class GroupTrainer:
             platform_mod.force_sum_reduction(trainer.model_parts)
         self.state = RankLocalState(trainer, on_load=self._mark_healed)
         self.manager.register_state_dict_fn(STATE_KEY, self.state.load, self.state.state_dict)
+        self._diloco = config.fault_tolerance.semi_sync_method is not None
+        self._sync_steps = config.fault_tolerance.sync_steps
+        self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
+        # Before DiLoCo's context, which takes the (loaded) parameters as its originals.
+        self.checkpoint, resumed_data = trainer_checkpoint.attach(
+            trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress
+        )
+        data_state = data_state or resumed_data
         self._context = contextlib.ExitStack()
         semi_sync = self._context.enter_context(
             maybe_semi_sync_training(
@@ -87,13 +97,10 @@ class GroupTrainer:
                 fragment_fn=config.model_spec.fragment_fn,
             )
         )
-        self._diloco = config.fault_tolerance.semi_sync_method is not None
-        self._sync_steps = config.fault_tolerance.sync_steps
         if self._diloco:
             # Registered after DiLoCo's own state, so it loads last (see `_contribute_nothing`).
             self.manager.register_state_dict_fn(REJOIN_KEY, self._contribute_nothing, dict)
             self._fragments = semi_sync._fragments  # torchft has no public accessor
-        self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         name = f"replica{self.spec.replica}-rank{rank}"
         self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)
@@ -172,6 +179,8 @@ class GroupTrainer:
         dist_utils.clip_grad_norm_(
             self._params, trainer.config.training.max_norm, foreach=True
         )
+        if self.checkpoint is not None:
+            self.checkpoint.before_update()
         trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
         synced = self._decision is True
         committed = self._account(self._decision)
@@ -221,6 +230,8 @@ class GroupTrainer:
         trainer, start = self.trainer, time.perf_counter()
         self._decision = None
         trainer.optimizers.zero_grad()
+        if self.checkpoint is not None:
+            self.checkpoint.before_update()
         for _ in range(self._sync_steps):
             trainer.optimizers.step()
             if self._decision is not None:
@@ -281,6 +292,10 @@ class GroupTrainer:
             torch.distributed.all_reduce(loss, group=self._loss_group)
         return float(loss.item())
 
+    def save_checkpoint(self, step: int) -> dict:
+        """The last resort: stage committed step `step`; the files are written in the background."""
+        return trainer_checkpoint.save(self.checkpoint, step, self.progress())
+
     def final_state(self) -> dict:
         """What the run record keeps of this rank at the end (no collective)."""
         return {
@@ -291,6 +306,8 @@ class GroupTrainer:
         }
 
     def close(self) -> None:
+        if self.checkpoint is not None:
+            self.checkpoint.close()  # lets the last write finish (the controller bounds this)
         self._context.close()
         self.manager.shutdown(wait=False)
         if torch.distributed.is_initialized():

@@ -23,6 +23,7 @@ CHOICES = {
     "ft.mode": ("step", "diloco"),
     "hosts.provider": ("local", "addresses", "skypilot"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
+    "checkpoint.async_mode": ("async", "async_with_pinned_mem"),
 }
 # Numeric bounds, checked in this order; a value must also be finite (no nan or inf).
 AT_LEAST_ONE = (
@@ -58,6 +59,8 @@ AT_LEAST_ZERO = (
     "hosts.max_replacements",
     "chaos.every_s",
     "chaos.seed",
+    "checkpoint.every_min",
+    "checkpoint.keep",
 )
 BOUNDS = (
     (AT_LEAST_ONE, ">= 1", lambda v: v >= 1),
@@ -110,6 +113,23 @@ def validate(config: DictConfig) -> None:
         )
     _validate_hosts(config)
     _validate_data(config.data)
+    _validate_checkpoint(config.checkpoint)
+
+
+def _validate_checkpoint(checkpoint: DictConfig) -> None:
+    if checkpoint.keep == 1:
+        raise ConfigError(
+            "checkpoint.keep: 1 would purge the only complete checkpoint while the newest is still "
+            "being written; use 0 (keep all) or at least 2"
+        )
+    if checkpoint.folder is not None:
+        if not checkpoint.folder.strip():
+            raise ConfigError("checkpoint.folder: empty; name a folder every node sees, or leave it unset")
+        if "://" in checkpoint.folder:
+            raise ConfigError(
+                f"checkpoint.folder: '{checkpoint.folder}' is a URI; mount the bucket on every node "
+                "(SkyPilot file_mounts) and give the mounted path"
+            )
 
 
 def _validate_data(data: DictConfig) -> None:

@@ -70,6 +70,12 @@ BAD = [
     (["run_id=a/b"], ["run_id", "plain name"]),
     (["run_id=.hidden"], ["run_id", "not starting with '.'"]),
     (["run_id=" + "x" * 129], ["run_id", "128"]),
+    (["checkpoint.every_min=-1"], ["checkpoint.every_min", ">= 0"]),
+    (["checkpoint.every_min=nan"], ["checkpoint.every_min", "finite"]),
+    (["checkpoint.keep=1"], ["checkpoint.keep", "0 (keep all) or at least 2"]),
+    (["checkpoint.keep=-2"], ["checkpoint.keep", ">= 0"]),
+    (["checkpoint.async_mode=sync"], ["checkpoint.async_mode", "async", "async_with_pinned_mem"]),
+    (["checkpoint.folder=s3://bucket/ck"], ["checkpoint.folder", "mount the bucket"]),
 ]
 
 

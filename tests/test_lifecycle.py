@@ -1,4 +1,5 @@
-"""Controller lifecycle: Ctrl-C stops everything; a new controller cleans up after a dead one."""
+"""Controller lifecycle: Ctrl-C stops everything; a new controller cleans up after a dead one,
+and goes on from the run's newest checkpoint when the run has them."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 import pytest
 
 from conftest import REPO, cli_env, leftovers, new_tag, train, train_command
+
+from monarch_sky import checkpoints
 
 
 def wait_for_event(path, name: str, timeout_s: float) -> None:
@@ -83,3 +86,90 @@ def test_a_finished_run_id_is_not_reused(tmp_path):
     )
     assert again.returncode == 2
     assert "run_id" in again.stderr and "already finished" in again.stderr
+
+
+def kill_once_checkpointed(tmp_path, tag: str, *overrides: str) -> dict:
+    """Start a run with checkpoints on, SIGKILL its controller once a checkpoint is complete
+    and a few more steps have committed; returns the newest checkpoint's step."""
+    first = start(tmp_path, tag, *overrides)
+    folder = tmp_path / tag / "checkpoints"
+    try:
+        wait_for_event(tmp_path / tag / "events.jsonl", "checkpoint_noted", timeout_s=300)
+        deadline = time.monotonic() + 120
+        while checkpoints.newest(folder) is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        time.sleep(2)  # a few steps past it: those are lost
+        first.kill()  # the controller dies; its hosts and trainers do not
+        first.communicate(timeout=30)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    return {"newest_at_kill": checkpoints.newest(folder).step}
+
+
+def test_a_run_killed_with_its_controller_resumes_from_its_newest_checkpoint(tmp_path):
+    tag = new_tag()
+    args = ("replicas=2", "procs_per_replica=1", "steps=40", "faults=none", "ft.standby=false",
+            "checkpoint.every_min=0.03", "checkpoint.keep=2")
+    killed = kill_once_checkpointed(tmp_path, tag, *args)
+    run = train(tmp_path, *args, tag=tag)
+    assert run.returncode == 0, run.output[-3000:]
+    s = run.summary
+    previous = s["previous_controller"]
+    step, lost = previous["resumed_from_step"], previous["steps_lost"]
+    assert step >= killed["newest_at_kill"] > 0, (previous, killed)
+    assert lost == previous["last_step"] - step >= 0
+    assert f"Resumed from the checkpoint at step {step}; lost {lost} steps" in run.output
+    [resumed] = [e for e in run.events if e["event"] == "resumed_from_checkpoint"]
+    assert resumed["step"] == step
+    # The second controller trained only the steps after the checkpoint, on its state.
+    restarted = next(e["wall"] for e in run.events if e["event"] == "controller_restarted")
+    lines = [json.loads(line) for line in (run.path / "steps.jsonl").read_text().splitlines()]
+    again = sorted({x["step"] for x in lines if x["wall"] > restarted and x["committed"]})
+    assert again == list(range(step + 1, 41)), again
+    assert s["committed_steps"] == 40 and s["outcome"]["status"] == "ok"
+    assert set(s["scheduler_steps"].values()) == {40}, "the LR schedule did not go on from the checkpoint"
+    digests = s["final_param_digest"]
+    assert sorted(digests) == ["0", "1"] and len(set(digests.values())) == 1, digests
+    assert s["checkpoints_written"] > 0 and s["checkpoint"]["resumed_from_step"] == step
+    assert run.leftovers == []
+
+
+@pytest.mark.chaos
+def test_a_resumed_run_ends_with_the_weights_of_a_run_never_interrupted(tmp_path):
+    # Weights, optimizer moments, LR schedule, step count and every group's data position
+    # all come back exactly: killed and resumed, the run ends bit for bit where an
+    # uninterrupted one does (whenever every step of both committed with both groups).
+    args = ("replicas=2", "procs_per_replica=2", "steps=40", "faults=none", "ft.standby=false")
+    plain = train(tmp_path / "plain", *args)
+    assert plain.returncode == 0 and plain.summary["checkpoints_written"] == 0, plain.output[-3000:]
+    tag = new_tag()
+    with_checkpoints = (*args, "checkpoint.every_min=0.03")
+    kill_once_checkpointed(tmp_path, tag, *with_checkpoints)
+    run = train(tmp_path, *with_checkpoints, tag=tag)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.summary["previous_controller"]["resumed_from_step"] > 0
+    partial = [
+        (r.path.name, x["step"]) for r in (plain, run) for line in (r.path / "steps.jsonl").read_text().splitlines()
+        if (x := json.loads(line))["committed"] and x["participants"] != 2
+    ]
+    if partial:
+        pytest.skip(f"a step committed without both groups (a slow machine), so the runs differ anyway: {partial}")
+    assert run.summary["final_param_digest"] == plain.summary["final_param_digest"]
+
+
+@pytest.mark.chaos
+def test_a_diloco_run_resumes_from_a_checkpoint_taken_at_a_sync(tmp_path):
+    # DiLoCo checkpoints only at syncs; its TorchFT step counts syncs, the run's step is
+    # syncs x sync_steps. (Its outer-optimizer momentum is not saved: no weight comparison.)
+    tag = new_tag()
+    args = ("replicas=2", "procs_per_replica=1", "steps=40", "faults=none", "ft.standby=false",
+            "ft.mode=diloco", "ft.sync_steps=5", "checkpoint.every_min=0.03")
+    kill_once_checkpointed(tmp_path, tag, *args)
+    run = train(tmp_path, *args, tag=tag)
+    assert run.returncode == 0, run.output[-3000:]
+    step = run.summary["previous_controller"]["resumed_from_step"]
+    assert step > 0 and step % 5 == 0, step
+    assert run.summary["committed_steps"] == 40
+    assert len(set(run.summary["final_param_digest"].values())) == 1
+    assert run.leftovers == []

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from monarch_sky import hub_assets
+from monarch_sky.checkpoints import CheckpointSpec
 from monarch_sky.recipes import llama3
 
 
@@ -28,6 +29,7 @@ class TrainerSpec:
     ft: dict[str, Any]  # mode, sync_steps, process_group_timeout_ms, ...
     dump_folder: str
     platform_kind: str  # "cpu" | "rocm" | "cuda"; "" = what the replica's own host has
+    checkpoint: CheckpointSpec | None = None  # the last resort; None: no checkpointer at all
     hosts_per_replica: int = 1
 
     @property
@@ -36,7 +38,9 @@ class TrainerSpec:
         return self.procs_per_replica * self.hosts_per_replica
 
     @classmethod
-    def from_job(cls, cfg, replica: int, dump_folder: str, platform_kind: str = "") -> "TrainerSpec":
+    def from_job(
+        cls, cfg, replica: int, dump_folder: str, platform_kind: str = "", checkpoint: CheckpointSpec | None = None
+    ) -> "TrainerSpec":
         """The spec for replica group `replica` of a validated job config."""
         return cls(
             recipe=cfg.recipe,
@@ -51,6 +55,7 @@ class TrainerSpec:
             dump_folder=dump_folder,
             platform_kind=platform_kind,
             hosts_per_replica=cfg.hosts_per_replica,
+            checkpoint=checkpoint,
         )
 
     def on_host(self, kind: str) -> "TrainerSpec":
@@ -74,6 +79,12 @@ def hub_data(tokenizer_repo: str) -> dict[str, Any]:
     `monarch_sky.hub_assets`) and C4, streamed from the hub."""
     return {"tokenizer_path": None, "tokenizer_repo": tokenizer_repo, "dataset": "c4", "dataset_path": None}
 
+
+# Minutes between last-resort checkpoints for about 1% of the throughput: a save pauses
+# training for its staging, 12 bytes a parameter per rank (12.0 GB for 8B, 105.8 GB for 70B,
+# 8 ranks) at the 0.97-1.28 GB/s DCP staged here (tools/checkpoint_cost.py, README
+# "Checkpoints (last resort)"): 10-13 s and 83-109 s a save, every 16-21 and 138-181 min.
+CHECKPOINT_EVERY_MIN = {"llama3_8b": 20.0, "llama3_70b": 180.0}
 
 RECIPES: dict[str, Recipe] = {
     "llama3_tiny": Recipe(
@@ -115,6 +126,7 @@ RECIPES: dict[str, Recipe] = {
             "steps": 1000,
             "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 3e-4, "warmup_steps": 200},
             "data": hub_data("meta-llama/Llama-3.1-8B"),
+            "checkpoint": {"every_min": CHECKPOINT_EVERY_MIN["llama3_8b"]},
         },
     ),
     "llama3_70b": Recipe(
@@ -129,6 +141,7 @@ RECIPES: dict[str, Recipe] = {
             "steps": 1000,
             "training": {"seq_len": 8192, "local_batch_size": 1, "lr": 1.5e-4, "warmup_steps": 200},
             "data": hub_data("meta-llama/Llama-3.1-70B"),
+            "checkpoint": {"every_min": CHECKPOINT_EVERY_MIN["llama3_70b"]},
         },
     ),
 }

@@ -1,0 +1,190 @@
+"""The last resort, as the controller runs it: when to checkpoint, who saves, how to resume.
+
+Peer healing covers every failure that leaves one replica group alive; a checkpoint is for
+the rest (the controller's node lost, every group lost at once). So it stays off the
+recovery path:
+
+- Off unless `checkpoint.every_min` > 0 (the local default is 0; the cloud recipes set it).
+- One group saves: the lowest-index group that trains, right after a step it committed with
+  the others at the run's newest step (DiLoCo: a sync), once `every_min` has passed since
+  the last save. The controller asks it between two of its steps; the others wait for it
+  at their next quorum, which is the cost (`tools/checkpoint_cost.py` measures it).
+- Beside each checkpoint the controller writes what the checkpoint lacks: every group's
+  data position at that step (`monarch_sky.checkpoints`).
+- Read only when a controller restarts a run (same `run_id`) that has one: every group
+  loads the newest at setup and training goes on from its step. A group that rejoins a
+  running job heals from a peer, always.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from typing import Any
+
+from monarch_sky import checkpoints
+from monarch_sky.checkpoints import CheckpointSpec, Found
+from monarch_sky.context import off_loop
+
+HISTORY = 8  # steps of data positions kept per group, to note each group's at the saved step
+
+
+def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
+    """At a controller restart: the run's newest complete checkpoint, if it fits this run.
+
+    Says what was found in `previous` (the `controller_restarted` event and the summary).
+    """
+    folder = checkpoints.folder_for(cfg)
+    found = checkpoints.newest(folder)
+    previous["resumed_from_step"] = None
+    if found is None:
+        return None
+    shape = {k: found.note.get(k) for k in ("recipe", "replicas", "procs_per_replica")}
+    wanted = {"recipe": cfg.recipe, "replicas": cfg.replicas, "procs_per_replica": cfg.procs_per_replica}
+    if shape != wanted:
+        previous["checkpoint_unusable"] = f"the checkpoint at step {found.step} is for {shape}, this run is {wanted}"
+        return None
+    previous["resumed_from_step"] = found.step
+    previous["steps_lost"] = max(0, previous["last_step"] - found.step)
+    previous["discarded_checkpoints"] = checkpoints.discard_newer(folder, found.step)
+    return found
+
+
+def restart_message(run_id: str, previous: dict[str, Any]) -> str:
+    last = previous["last_step"]
+    said = (
+        f"monarch-sky: run {run_id} lost its previous controller ({previous['ended']}) at step {last} "
+        f"(last recorded); reaped {previous['reaped_processes']} processes it left behind. "
+    )
+    step = previous.get("resumed_from_step")
+    if step is not None:
+        return said + (
+            f"Resumed from the checkpoint at step {step}; lost {previous['steps_lost']} steps "
+            f"(the last recorded step was {last})."
+        )
+    unusable = f" ({previous['checkpoint_unusable']})" if previous.get("checkpoint_unusable") else ""
+    return said + (
+        f"There is no checkpoint{unusable}, so those {last} steps are lost: training starts again from step 0."
+    )
+
+
+class CheckpointPolicy:
+    def __init__(self, ctx, resume: Found | None = None):
+        self.ctx = ctx
+        self.settings = ctx.cfg.checkpoint
+        self.every_s = self.settings.every_min * 60.0
+        self.folder = checkpoints.folder_for(ctx.cfg)
+        self.resume = resume
+        self.saved: list[dict[str, Any]] = []  # step, replica, blocking_s of each staged save
+        self.failed: list[dict[str, Any]] = []
+        self._last_at: float | None = None  # when the interval started (training, or the last save)
+        self._history: dict[int, dict[int, tuple]] = {}  # replica -> step -> per-rank data states
+
+    @property
+    def enabled(self) -> bool:
+        return self.every_s > 0
+
+    def spec_for(self, index: int) -> CheckpointSpec | None:
+        """What replica group `index`'s trainers build; None: no checkpointer at all."""
+        if not self.enabled and self.resume is None:
+            return None
+        resume_step, data = None, ()
+        if self.resume is not None:
+            resume_step = self.resume.step
+            data = tuple(self.resume.note.get("data_states", {}).get(str(index), ()))
+        return CheckpointSpec(str(self.folder), self.settings.async_mode, self.settings.keep, resume_step, data)
+
+    def start_training(self) -> None:
+        """The groups are up (a resumed run's loaded the checkpoint): start the clock."""
+        ctx = self.ctx
+        self._last_at = time.monotonic()
+        if self.resume is not None:
+            step = self.resume.step
+            ctx.ledger.run_step = ctx.ledger.logged_step = step
+            for slot in ctx.slots:
+                slot.step = step
+            past = [f for f in ctx.injector.pending if f.step <= step]  # the lost attempt's to inject
+            for fault in past:
+                ctx.injector.pending.remove(fault)
+            ctx.record.event("resumed_from_checkpoint", step=step, path=str(self.resume.path),
+                             faults_skipped=[str(f) for f in past])
+            ctx.phase(f"resumed from the checkpoint at step {step} ({self.resume.path})")
+        if self.enabled:
+            ctx.record.event("checkpoints_on", every_min=self.settings.every_min, folder=str(self.folder))
+            ctx.phase(
+                f"a checkpoint every {self.settings.every_min:g} min to {self.folder} "
+                "(the last resort: healing never reads it; every node must see this folder)"
+            )
+
+    async def after_step(self, slot, r) -> None:
+        """Called by a slot after each step result; saves when this slot is due to."""
+        history = self._history.setdefault(slot.index, {})
+        history[r.step] = r.data_states
+        for old in [s for s in history if s <= r.step - HISTORY]:
+            del history[old]
+        if self._due(slot, r):
+            await self._save(slot, r.step)
+
+    def _due(self, slot, r) -> bool:
+        from monarch_sky.slot import SlotState
+
+        ctx = self.ctx
+        if not self.enabled or ctx.finishing or self._last_at is None or not r.synced:
+            return False
+        if time.monotonic() - self._last_at < self.every_s or r.step < ctx.ledger.run_step:
+            return False
+        if r.step <= max((s["step"] for s in self.saved), default=self.resume.step if self.resume else 0):
+            return False
+        saver = next((s for s in ctx.slots if s.state is SlotState.TRAINING and s.group is not None), None)
+        return saver is slot
+
+    async def _save(self, slot, step: int) -> None:
+        """Ask `slot`'s group to save; a failed save is recorded, and training goes on.
+        The group dying meanwhile raises GroupFailed to the slot, as a step would."""
+        ctx = self.ctx
+        self._last_at = began = time.monotonic()
+        info = await slot.group.save_checkpoint(step, ctx.cfg.timeouts.step_s)
+        waited_s = round(time.monotonic() - began, 3)
+        if info["error"]:
+            self.failed.append({"step": step, "replica": slot.index, "error": info["error"]})
+            ctx.record.event("checkpoint_failed", replica=slot.index, step=step, error=info["error"])
+            ctx.display.line(f"[checkpoint] replica {slot.index} could not save step {step}: {info['error']}")
+            return
+        saved = {"step": step, "replica": slot.index, "blocking_s": round(info["blocking_s"], 4), "waited_s": waited_s}
+        self.saved.append(saved)
+        ctx.record.event("checkpoint_staged", **saved)
+        ctx.in_background(self._write_note(step, slot.index))
+
+    async def _write_note(self, step: int, saver: int) -> None:
+        """Note every group's data position at `step` once each training group reached it."""
+        from monarch_sky.slot import SlotState
+
+        ctx = self.ctx
+        deadline = time.monotonic() + ctx.cfg.timeouts.step_s
+        while time.monotonic() < deadline and not ctx.finishing:
+            if all(s.step >= step for s in ctx.slots if s.state is SlotState.TRAINING):
+                break
+            await asyncio.sleep(0.05)
+        data = {}
+        for slot in ctx.slots:
+            states = self._history.get(slot.index, {}).get(step)
+            data[str(slot.index)] = list(states if states is not None else slot.data_states)
+        cfg = ctx.cfg
+        note = {
+            "run_id": cfg.run_id, "saved_by": saver, "wall": round(time.time(), 3), "recipe": cfg.recipe,
+            "replicas": cfg.replicas, "procs_per_replica": cfg.procs_per_replica, "data_states": data,
+        }
+        path = await asyncio.wait_for(off_loop(checkpoints.write_note, self.folder, step, note), cfg.timeouts.stop_s)
+        ctx.record.event("checkpoint_noted", step=step, path=str(path))
+
+    def summary(self) -> dict[str, Any]:
+        blocking = [s["blocking_s"] for s in self.saved]
+        return {
+            "every_min": self.settings.every_min,
+            "folder": str(self.folder) if self.enabled or self.resume else None,
+            "saved_steps": [s["step"] for s in self.saved],
+            "failed": self.failed,
+            "median_blocking_s": round(statistics.median(blocking), 4) if blocking else None,
+            "resumed_from_step": self.resume.step if self.resume else None,
+        }

@@ -1,0 +1,100 @@
+"""A rank's last-resort checkpoint: TorchTitan's own async checkpointer, healing untouched.
+
+Runs a real TorchTitan trainer (one process, one replica group, a real lighthouse) in a
+fresh interpreter, as tests/test_healing.py does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+from monarch_sky.healing import STATE_KEY
+
+
+def _save_and_load(tmp: str, queue) -> None:
+    import os
+    from pathlib import Path
+
+    import torch
+    from torchft.coordination import LighthouseServer
+
+    from monarch_sky.checkpoints import CheckpointSpec
+    from monarch_sky.config import load_job
+    from monarch_sky.hosts import free_port
+    from monarch_sky.recipes import TrainerSpec
+    from monarch_sky.trainer import GroupTrainer
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    port = lighthouse.address().rsplit(":", 1)[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
+    )
+    folder, dump = Path(tmp) / "checkpoints", Path(tmp) / "dump"
+    job = load_job(["replicas=1", "procs_per_replica=1", "steps=10", "faults=none"])
+    spec = CheckpointSpec(folder=str(folder), async_mode="async", keep=2)
+    trainer = GroupTrainer(TrainerSpec.from_job(job.config, 0, str(dump), "cpu", checkpoint=spec))
+    healing_fns = sorted(trainer.manager._user_state_dicts)  # what TorchFT would send a rejoining peer
+    saves = []
+    for _ in range(4):
+        r = trainer.step()
+        saves.append(trainer.save_checkpoint(r.step))
+    refused = trainer.save_checkpoint(3)  # not the step the trainer is at
+    trainer.checkpoint.checkpointer.maybe_wait_for_saving()
+    deadline = time.monotonic() + 30  # TorchTitan purges in a thread of its own
+    while (folder / "step-1").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+    opt = trainer.trainer.optimizers.optimizers[0]
+    params = {n: p._local_tensor.clone() for n, p in trainer.state._params.items()}
+    exp_avg = [s["exp_avg"]._local_tensor.clone() for s in opt.state.values()]
+    lr, tokens = opt.param_groups[0]["lr"], trainer.trainer.ntokens_seen
+    with torch.no_grad():  # diverge in every part the checkpoint claims to carry
+        for p in trainer.state._params.values():
+            p._local_tensor.add_(1.0)
+        for s in opt.state.values():
+            s["exp_avg"]._local_tensor.zero_()
+    opt.param_groups[0]["lr"] = 123.0
+    trainer.manager.load_state_dict({"step": 0, "batches_committed": 0})
+    trainer.trainer.ntokens_seen = 0
+    loaded = trainer.checkpoint.load(4)
+    queue.put({
+        "healing_fns": healing_fns,
+        "saves": saves,
+        "refused": refused,
+        "dirs": sorted(p.name for p in folder.iterdir()),
+        "complete": (folder / "step-4" / ".metadata").is_file(),
+        "dump_files": [str(p) for p in dump.rglob("*") if p.is_file()],
+        "loaded": loaded,
+        "progress": trainer.progress(),
+        "model_equal": all(torch.equal(p._local_tensor, params[n]) for n, p in trainer.state._params.items()),
+        "exp_avg_equal": all(torch.equal(s["exp_avg"]._local_tensor, e) for s, e in zip(opt.state.values(), exp_avg)),
+        "exp_avg_nonzero": any(e.abs().sum() > 0 for e in exp_avg),
+        "lr": (lr, opt.param_groups[0]["lr"]),
+        "tokens": (tokens, trainer.trainer.ntokens_seen),
+    })
+    trainer.close()
+    lighthouse.shutdown()
+
+
+def test_torchtitan_checkpoint_saves_and_loads_the_training_state_and_leaves_healing_alone(tmp_path):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_save_and_load, args=(str(tmp_path), queue))
+    proc.start()
+    result = queue.get(timeout=300)
+    proc.join(timeout=60)
+    assert result["healing_fns"] == [STATE_KEY], "the checkpointer must not register state with TorchFT"
+    assert [s["step"] for s in result["saves"]] == [1, 2, 3, 4]
+    assert all(s["error"] is None and s["blocking_s"] >= 0 for s in result["saves"]), result["saves"]
+    assert "cannot save step 3" in result["refused"]["error"]
+    # keep=2: TorchTitan's purge keeps the newest two (a third may still be on its way out).
+    assert "step-1" not in result["dirs"] and "step-4" in result["dirs"] and len(result["dirs"]) <= 3, result["dirs"]
+    assert result["complete"]
+    assert result["dump_files"] == [], "nothing is written under the trainer's dump folder"
+    assert result["loaded"]["step"] == 4 and result["progress"] == 4
+    assert result["model_equal"], "parameters differ after load"
+    assert result["exp_avg_nonzero"] and result["exp_avg_equal"], "optimizer state was not saved and loaded"
+    assert result["lr"][0] == result["lr"][1] != 123.0
+    assert result["tokens"][0] == result["tokens"][1] > 0
