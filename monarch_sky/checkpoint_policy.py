@@ -40,8 +40,9 @@ def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
     previous["resumed_from_step"] = None
     if found is None:
         return None
-    shape = {k: found.note.get(k) for k in ("recipe", "replicas", "procs_per_replica")}
-    wanted = {"recipe": cfg.recipe, "replicas": cfg.replicas, "procs_per_replica": cfg.procs_per_replica}
+    keys = ("recipe", "replicas", "procs_per_replica", "hosts_per_replica")
+    shape = {k: found.note.get(k, 1 if k == "hosts_per_replica" else None) for k in keys}
+    wanted = {k: getattr(cfg, k) for k in keys}
     if shape != wanted:
         previous["checkpoint_unusable"] = f"the checkpoint at step {found.step} is for {shape}, this run is {wanted}"
         return None
@@ -173,7 +174,8 @@ class CheckpointPolicy:
         cfg = ctx.cfg
         note = {
             "run_id": cfg.run_id, "saved_by": saver, "wall": round(time.time(), 3), "recipe": cfg.recipe,
-            "replicas": cfg.replicas, "procs_per_replica": cfg.procs_per_replica, "data_states": data,
+            "replicas": cfg.replicas, "procs_per_replica": cfg.procs_per_replica,
+            "hosts_per_replica": cfg.hosts_per_replica, "data_states": data,
         }
         path = await asyncio.wait_for(off_loop(checkpoints.write_note, self.folder, step, note), cfg.timeouts.stop_s)
         ctx.record.event("checkpoint_noted", step=step, path=str(path))
