@@ -96,6 +96,16 @@ class CheckpointPolicy:
             data = tuple(self.resume.note.get("data_states", {}).get(str(index), ()))
         return CheckpointSpec(str(self.folder), self.settings.async_mode, self.settings.keep, resume_step, data)
 
+    def after_progress_lost(self) -> str:
+        """What the checkpoints offer once every group holding the state failed (the
+        controller lives: only a restarted one reads a checkpoint)."""
+        if not self.saved:
+            return "there is no checkpoint"
+        return (
+            f"the newest checkpoint (step {self.saved[-1]['step']}) is read only by a restarted controller: "
+            f"stop this run and start it again with run_id={self.ctx.cfg.run_id} to go on from there"
+        )
+
     def start_training(self) -> None:
         """The groups are up (a resumed run's loaded the checkpoint): start the clock."""
         ctx = self.ctx

@@ -94,6 +94,6 @@ def behind(ctx: RunContext, slot, r: StepResult) -> Behind:
         ctx.record.event("progress_lost", **lost)
         ctx.display.line(
             f"[run] every group holding the state failed: training restarts at step {r.step} "
-            f"(was {ctx.ledger.run_step}); there is no checkpoint"
+            f"(was {ctx.ledger.run_step}); {ctx.checkpoints.after_progress_lost()}"
         )
     return Behind.STATE_LOST
