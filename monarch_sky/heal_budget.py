@@ -57,6 +57,15 @@ RATES = {
     "cpu": {"http": 1.40 * GB, "pg_gloo": 1.39 * GB},
 }
 HOSTS = {"cpu": "cpu", "rocm": "gpu", "cuda": "gpu"}
+# A last-resort checkpoint's pause: DCP's async staging into host memory, low end measured here
+# (tools/checkpoint_cost.py: 0.97-1.28 GB/s), every rank of the saving group in parallel.
+STAGING_RATE = 0.97 * GB
+STAGING_FIXED_S = 0.1
+
+
+def checkpoint_pause_s(bytes_per_rank: int) -> float:
+    """How long a save holds the saving group between two of its steps."""
+    return bytes_per_rank / STAGING_RATE + STAGING_FIXED_S
 
 
 @dataclass(frozen=True)
@@ -161,4 +170,12 @@ def apply(cfg, platform_kind: str) -> dict:
     cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])
     cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, info["quorum_timeout_s"])
     cfg.timeouts.step_s = max(cfg.timeouts.step_s, info["step_s"])
+    if cfg.checkpoint.every_min > 0:
+        # The other groups wait for the saving one at their next quorum: the lighthouse must not
+        # form a quorum without it (it would then heal from a peer), nor the wait time out.
+        pause_s = checkpoint_pause_s(info["bytes_per_rank"])
+        info["checkpoint_pause_s"] = round(pause_s, 2)
+        cfg.ft.join_timeout_ms = max(cfg.ft.join_timeout_ms, math.ceil(SAFETY * pause_s) * 1000)
+        cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, math.ceil(SAFETY * pause_s))
+        info["join_timeout_ms"] = cfg.ft.join_timeout_ms
     return info

@@ -127,3 +127,26 @@ def test_a_big_job_gets_its_heal_timeouts_raised_and_a_tiny_one_keeps_its_own():
     assert budget["transport"] == "http" and budget["transport_advised"] == "pg_gloo" and budget["over_http_lock"]
     assert big.ft.timeout_s == budget["ft_timeout_s"] > 60
     assert big.ft.quorum_timeout_s == budget["quorum_timeout_s"] < big.timeouts.step_s == budget["step_s"]
+
+
+def test_a_checkpointing_job_keeps_the_saving_group_in_the_quorum():
+    from omegaconf import OmegaConf
+
+    from monarch_sky.config import JobConfig
+    from monarch_sky.heal_budget import apply, checkpoint_pause_s
+    from monarch_sky.recipes import RECIPES
+
+    def job(recipe, **overrides):
+        return OmegaConf.merge(OmegaConf.structured(JobConfig), RECIPES[recipe].job_defaults, {"recipe": recipe}, overrides)
+
+    big = job("llama3_8b")  # its recipe checkpoints
+    budget = apply(big, "rocm")
+    pause_s = checkpoint_pause_s(budget["bytes_per_rank"])
+    assert pause_s > 10, "premise: an 8B save pauses longer than TorchFT's default join timeout"
+    assert big.ft.join_timeout_ms >= 2 * pause_s * 1000 and big.ft.quorum_timeout_s >= 2 * pause_s
+    tiny = job("llama3_tiny", checkpoint={"every_min": 1.0})
+    apply(tiny, "cpu")
+    assert tiny.ft.join_timeout_ms == 10000, "a tiny save never raises it"
+    off = job("llama3_8b", checkpoint={"every_min": 0.0})
+    apply(off, "rocm")
+    assert off.ft.join_timeout_ms == 10000 and "checkpoint_pause_s" not in apply(off, "rocm")
