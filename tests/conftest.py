@@ -90,3 +90,36 @@ def leftovers(tag: str, grace_s: float = 10.0) -> list[str]:
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+def one_rank_trainer_env():
+    """A lighthouse and the torch.distributed environment for one trainer in this process
+    (a replica group of one rank); returns the lighthouse, which must stay referenced."""
+    from torchft.coordination import LighthouseServer
+
+    from monarch_sky.hosts import free_port
+
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    port = lighthouse.address().rsplit(":", 1)[1]
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
+        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
+    )
+    return lighthouse
+
+
+def in_fresh_interpreter(target, tmp: Path, timeout_s: float = 300) -> dict:
+    """Run `target(str(tmp), queue)` in a spawned interpreter (the CPU shims must apply before
+    torchtitan is first imported); returns what it put on the queue."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(str(tmp), queue))
+    proc.start()
+    try:
+        return queue.get(timeout=timeout_s)
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()

@@ -6,28 +6,21 @@ fresh interpreter, because the CPU shims must apply before torchtitan is first i
 
 from __future__ import annotations
 
-import multiprocessing as mp
+from conftest import in_fresh_interpreter
 
 
 def _roundtrip(tmp: str, queue) -> None:
     import io
-    import os
 
     import torch
     import torch.nn as nn
-    from torchft.coordination import LighthouseServer
+    from conftest import one_rank_trainer_env
 
     from monarch_sky.config import load_job
-    from monarch_sky.hosts import free_port
     from monarch_sky.recipes import TrainerSpec
     from monarch_sky.trainer import GroupTrainer
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
-    port = lighthouse.address().rsplit(":", 1)[1]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
-    )
+    lighthouse = one_rank_trainer_env()
     job = load_job(["replicas=1", "procs_per_replica=1", "steps=10", "faults=none"])
     trainer = GroupTrainer(TrainerSpec.from_job(job.config, 0, tmp, "cpu"))
     for _ in range(3):
@@ -79,12 +72,7 @@ def _roundtrip(tmp: str, queue) -> None:
 
 
 def test_healing_state_round_trips_without_module_state_dict(tmp_path):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_roundtrip, args=(str(tmp_path), queue))
-    proc.start()
-    result = queue.get(timeout=300)
-    proc.join(timeout=60)
+    result = in_fresh_interpreter(_roundtrip, tmp_path)
     assert result["n_params"] > 0
     assert result["model_equal"], "parameters differ after load"
     assert result["exp_avg_equal"], "optimizer state differs after load"

@@ -6,31 +6,25 @@ fresh interpreter, as tests/test_healing.py does.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import time
+
+from conftest import in_fresh_interpreter
 
 from monarch_sky.healing import STATE_KEY
 
 
 def _save_and_load(tmp: str, queue) -> None:
-    import os
     from pathlib import Path
 
     import torch
-    from torchft.coordination import LighthouseServer
+    from conftest import one_rank_trainer_env
 
     from monarch_sky.checkpoints import CheckpointSpec
     from monarch_sky.config import load_job
-    from monarch_sky.hosts import free_port
     from monarch_sky.recipes import TrainerSpec
     from monarch_sky.trainer import GroupTrainer
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
-    port = lighthouse.address().rsplit(":", 1)[1]
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-        LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
-    )
+    lighthouse = one_rank_trainer_env()
     folder, dump = Path(tmp) / "checkpoints", Path(tmp) / "dump"
     job = load_job(["replicas=1", "procs_per_replica=1", "steps=10", "faults=none"])
     spec = CheckpointSpec(folder=str(folder), async_mode="async", keep=2)
@@ -79,12 +73,7 @@ def _save_and_load(tmp: str, queue) -> None:
 
 
 def test_torchtitan_checkpoint_saves_and_loads_the_training_state_and_leaves_healing_alone(tmp_path):
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    proc = ctx.Process(target=_save_and_load, args=(str(tmp_path), queue))
-    proc.start()
-    result = queue.get(timeout=300)
-    proc.join(timeout=60)
+    result = in_fresh_interpreter(_save_and_load, tmp_path)
     assert result["healing_fns"] == [STATE_KEY], "the checkpointer must not register state with TorchFT"
     assert [s["step"] for s in result["saves"]] == [1, 2, 3, 4]
     assert all(s["error"] is None and s["blocking_s"] >= 0 for s in result["saves"]), result["saves"]
