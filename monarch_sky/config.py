@@ -135,6 +135,11 @@ class Job:
         return OmegaConf.to_container(self.config, resolve=True)
 
 
+def ranks_per_group(cfg) -> int:
+    """Processes in one replica group: FSDP shards the model over all of them, across its hosts."""
+    return cfg.procs_per_replica * cfg.hosts_per_replica
+
+
 def load_job(overrides: list[str]) -> Job:
     for item in overrides:
         if "=" not in item:

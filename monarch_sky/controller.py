@@ -17,7 +17,7 @@ from typing import Any
 from monarch_sky import platform as platform_mod
 from monarch_sky import heal_budget, supervision, tls
 from monarch_sky.checkpoint_policy import CheckpointPolicy
-from monarch_sky.config import Job
+from monarch_sky.config import Job, ranks_per_group
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog, exited_on_hosts
 from monarch_sky.generations import attach_hosts
@@ -48,7 +48,7 @@ class Controller:
     ):
         cfg = job.config
         self.ctx = ctx = RunContext(cfg, provider, record, tracker, display, platform_mod.detect())
-        ctx.injector = FaultInjector(job.faults, cfg.seed, cfg.procs_per_replica * cfg.hosts_per_replica, record, display, tracker)
+        ctx.injector = FaultInjector(job.faults, cfg.seed, ranks_per_group(cfg), record, display, tracker)
         ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
         ctx.checkpoints = CheckpointPolicy(ctx, resume)
         self.slots: list[Slot] = ctx.slots

@@ -40,7 +40,7 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from monarch_sky.config import FTSettings, TimeoutSettings
+from monarch_sky.config import FTSettings, TimeoutSettings, ranks_per_group
 
 BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
 SAFETY = 2.0  # a heal is budgeted twice its measured transfer time
@@ -164,7 +164,7 @@ def apply(cfg, platform_kind: str) -> dict:
     """Raise the timeouts a heal runs under to what this job's model needs (never lower
     them), and return the budget for the run record. The transport is HTTP: torchtitan
     wires no other into TorchFT's manager (`choose_transport` says what would be better)."""
-    info = describe(cfg.recipe, cfg.procs_per_replica * cfg.hosts_per_replica, platform_kind, transport="http")
+    info = describe(cfg.recipe, ranks_per_group(cfg), platform_kind, transport="http")
     info["transport_advised"] = choose_transport(platform_kind, info["bytes_per_rank"])
     info["over_http_lock"] = info["heal_s"] > HTTP_LOCK_S
     cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])

@@ -34,7 +34,7 @@ class TrainerSpec:
 
     @property
     def ranks(self) -> int:
-        """Processes in the group: FSDP shards the model over all of them, across its hosts."""
+        """Processes in the group (`config.ranks_per_group` of the job it came from)."""
         return self.procs_per_replica * self.hosts_per_replica
 
     @classmethod
