@@ -157,11 +157,12 @@ class Slot:
             self.in_flight_since = None
 
     async def _join_next_sync(self) -> None:
-        began = time.monotonic()
+        began, began_step = time.monotonic(), self.ctx.ledger.run_step
         if not await rejoin.wait_for_next_sync(self.ctx, self):
             return
         issued = time.monotonic()
-        self.ctx.record.event("rejoin_joined_sync", replica=self.index, waited_s=round(issued - began, 3))
+        self.ctx.record.event("rejoin_joined_sync", replica=self.index, waited_s=round(issued - began, 3),
+                              waited_steps=self.ctx.ledger.run_step - began_step)
         self.on_result(await self._timed(self.group.join(self.ctx.cfg.timeouts.step_s), issued), issued)
 
     def on_result(self, r: StepResult, issued: float) -> None:
