@@ -11,6 +11,8 @@ import os
 REFUSE_REJOIN_COMMIT_ENV = "MONARCH_SKY_TEST_REFUSE_REJOIN_COMMIT"
 PERTURB_REPLICA_ENV = "MONARCH_SKY_TEST_PERTURB_REPLICA"
 BATCH_LOG_ENV = "MONARCH_SKY_TEST_BATCH_LOG"
+HEAL_PACE_ENV = "MONARCH_SKY_TEST_HEAL_PACE"
+HEAL_TIMEOUT_ENV = "MONARCH_SKY_TEST_HEAL_TIMEOUT_S"
 
 
 def refuse_rejoin_commit() -> bool:
@@ -27,3 +29,13 @@ def perturb_replica(replica: int) -> bool:
 def batch_log_dir() -> str | None:
     """A folder where each rank logs the batches it kept and dropped."""
     return os.environ.get(BATCH_LOG_ENV)
+
+
+def heal_pace_bytes_per_s() -> float:
+    """A heal server sends no faster than this (0: at full speed): a heal made long on purpose."""
+    return float(os.environ.get(HEAL_PACE_ENV, "0") or 0)
+
+
+def heal_timeout_s() -> float:
+    """The heal transport's every bound, made small on purpose (0: the run's `ft.timeout_s`)."""
+    return float(os.environ.get(HEAL_TIMEOUT_ENV, "0") or 0)
