@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test chaos bench bench-recovery e2e-sky e2e-sky-nodes clean
+.PHONY: train test chaos bench bench-heal bench-recovery e2e-sky e2e-sky-nodes clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ chaos: $(STAMP)
 # Goodput benchmark (monarch-sky vs TorchTitan alone, checkpoint-restart, TorchFT alone): ARGS="--steps 60 --every-s 15"
 bench: $(STAMP)
 	$(PY) -m monarch_sky bench $(ARGS)
+
+# Heal transports (monarch-sky's tcp, TorchFT's http and pg_gloo) against raw loopback TCP, at
+# 0.25, 1 and 4 GB per rank: runs/bench-heal/bench-heal.json and heal.png. ARGS="--gb 0.25,1"
+bench-heal: $(STAMP)
+	$(PY) -m monarch_sky.bench.heal $(ARGS)
 
 # Warm standby against cold respawn: seconds from a kill to the group's rejoin.
 bench-recovery: $(STAMP)

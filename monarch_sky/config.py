@@ -52,6 +52,9 @@ class FTSettings:
     join_timeout_ms: int = 10000
     quorum_timeout_s: int = 60  # a group waiting this long for a TorchFT quorum fails its step
     timeout_s: int = 60  # TorchFT's manager timeout: each read of a heal transfer, should_commit
+    # How a rejoining group receives its state: "tcp" (snapshot + striped streams, monarch_sky/
+    # heal_transport.py), "http" (TorchFT's default), "auto" (the fastest: tcp)
+    heal_transport: str = "auto"
     max_restarts: int = 3  # respawns of one replica group before it is given up
     standby: bool = True  # keep a warm spare process set per group: recovery skips imports
 
@@ -138,6 +141,11 @@ class Job:
 def ranks_per_group(cfg) -> int:
     """Processes in one replica group: FSDP shards the model over all of them, across its hosts."""
     return cfg.procs_per_replica * cfg.hosts_per_replica
+
+
+def heal_transport(kind: str) -> str:
+    """The transport `ft.heal_transport` names ("auto": the fastest, measured by `make bench-heal`)."""
+    return "tcp" if kind == "auto" else kind
 
 
 def load_job(overrides: list[str]) -> Job:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from monarch_sky import hub_assets
+from monarch_sky.heal_wire import HEAL_SECRET_ENV
 from monarch_sky import platform as platform_mod
 from monarch_sky.hosts import Host
 from monarch_sky.recipes import TrainerSpec
@@ -33,6 +35,7 @@ class RunContext:
     router: Any = None  # supervision.FailureRouter
     checkpoints: Any = None  # checkpoint_policy.CheckpointPolicy
     lighthouse_address: str = ""
+    heal_transport: str = ""  # the one every trainer of the run uses (`ft.heal_transport` resolved)
     replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")
     groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
     slots: list[Any] = field(default_factory=list)  # one Slot per replica group
@@ -97,11 +100,16 @@ class RunContext:
             self.record.event("background_error", error=f"{type(task.exception()).__name__}: {task.exception()}")
 
 
+# This controller's run: a heal server answers only a peer that proves it holds this secret.
+HEAL_SECRET = secrets.token_hex(32)
+
+
 def trainer_env(cfg, platform=None) -> dict[str, str]:
     """What every trainer process of a job needs in its environment (the bench's arms too,
     which also pass their local `platform` for its CPU thread policy)."""
     env = {
         "RUST_LOG": os.environ.get("RUST_LOG", "warn"),
+        HEAL_SECRET_ENV: HEAL_SECRET,
         "TORCHFT_QUORUM_TIMEOUT_SEC": str(cfg.ft.quorum_timeout_s),
         "TORCHFT_TIMEOUT_SEC": str(cfg.ft.timeout_s),
     }

@@ -104,13 +104,8 @@ class Controller:
         ctx = self.ctx
         kind = ctx.platform.kind if ctx.cfg.hosts.provider == "local" else "rocm"
         budget = heal_budget.apply(ctx.cfg, kind)
+        ctx.heal_transport = budget["transport"]
         ctx.record.event("heal_budget", **budget)
-        if budget["over_http_lock"]:
-            ctx.display.line(
-                f"[run] warning: a heal sends {budget['bytes_per_rank'] / 1e9:.0f} GB per rank, budgeted "
-                f"{budget['heal_s']:.0f}s over TorchFT's HTTP transport, past the 60s its serving side may hold "
-                f"its lock: the serving group's step can fail (README: Healing at scale)"
-            )
 
     def _start_lighthouse(self) -> None:
         from torchft.coordination import LighthouseServer

@@ -7,31 +7,23 @@ timeouts are sized for the CPU demo, whose heal takes well under a second. Here 
 derived from the model's size and a measured transport rate, never below today's defaults.
 
 The timeouts a heal runs under (torchft 0.2.0, `torchft/manager.py`):
-- The manager's `timeout` (TORCHFT_TIMEOUT_SEC, 60 s by default, :251) is what
-  `send_checkpoint`/`recv_checkpoint` get (:762, :796): for HTTP a socket-read timeout
-  (http_transport.py:159), for a process group each tensor's wait (pg_transport.py:229-304).
-  It also bounds `should_commit`'s RPC (:907), a barrier over the group's ranks that a
-  rank reaches only after its part of the heal.
-- The whole HTTP transfer is bounded elsewhere: the serving peer streams under a read lock
-  (http_transport.py:84) that its own `should_commit` must take (:925) within the lock's
-  timeout: the Manager's constructor `timeout` (:278), which torchtitan leaves at 60 s
-  (torchtitan/experiments/torchft/manager.py:113) and no environment variable changes.
-  An HTTP heal longer than that fails the *serving* group's step.
+- The manager's `timeout` (TORCHFT_TIMEOUT_SEC, `ft.timeout_s`, 60 s by default, :251) is what
+  `send_checkpoint`/`recv_checkpoint` get (:762, :796) and what bounds `should_commit`'s RPC
+  (:907), a barrier over the group's ranks that a rank reaches only after its part of the heal.
+  Our transports (`monarch_sky.heal_transport`) take every bound they have from it: TCP's
+  per-socket timeouts and how long a snapshot waits for its reader, HTTP's serving lock (torchft
+  would give that lock the constructor's fixed 60 s, :278, and fail the *serving* group's step
+  past it). A heal that keeps moving finishes; one that stalls for this long fails.
 - TORCHFT_QUORUM_TIMEOUT_SEC (`ft.quorum_timeout_s`) bounds only the quorum RPC (:649);
-  a quorum may wait on a peer group still in a step that serves or receives a heal.
-- `ft.process_group_timeout_ms` bounds each collective; over PGTransport a tensor is one
-  send. It stays short: it is also how long a collective waits on a dead peer. While a group
-  heals, the others' all-reduce waits on it and fails at this timeout: one lost step
-  (torchft's own "TODO: increase timeout when waiting when healing", :454).
+  a quorum may wait on a peer group still in a step that receives a heal.
+- `ft.process_group_timeout_ms` bounds each collective. It stays short: it is also how long a
+  collective waits on a dead peer.
 
-Transports (`torchft/checkpointing/`): HTTPTransport, TorchFT's default and the only one
-torchtitan wires, copies the sender's whole state to host memory and serves it; the receiver
-loads it into host memory, then onto the device. PGTransport sends tensor by tensor over a
-process group, with no lock; over gloo it too stages through host memory on a GPU host, and
-was measured 1.3-1.7x faster than HTTP there. Over NCCL/RCCL, receiving in place, it would
-skip host memory, but no rate was measured (one GPU cannot hold two NCCL ranks), so it is
-never chosen. The choice: HTTP while its budgeted heal fits torchft's fixed 60 s lock,
-else PGTransport over gloo, which must then be wired into the TorchFT Manager.
+Rates (bytes/s, low end of what was measured; `make bench-heal` measures them here):
+- `tcp` (the default): the serving rank snapshots into host memory and serves from there;
+  the receiver pulls several streams straight into one mapped buffer. CPU state on the 2-core
+  development machine: see `RATES`. Not yet measured on a GPU host: budgeted at HTTP's GPU rate.
+- `http`: TorchFT's HTTPTransport (host memory at both ends, one stream, pickle).
 """
 
 from __future__ import annotations
@@ -40,21 +32,19 @@ import functools
 import math
 from dataclasses import asdict, dataclass
 
-from monarch_sky.config import FTSettings, TimeoutSettings, ranks_per_group
+from monarch_sky.config import FTSettings, TimeoutSettings, heal_transport, ranks_per_group
 
 BYTES_PER_PARAM = 12  # fp32 parameter + AdamW exp_avg + exp_avg_sq
 SAFETY = 2.0  # a heal is budgeted twice its measured transfer time
-FIXED_S = 10.0  # connect, metadata RPC, process group setup, load into the parameters
+FIXED_S = 10.0  # connect, metadata RPC, snapshot, load into the parameters
 TORCHFT_TIMEOUT_S = 60  # torchft Manager's default `timeout` (manager.py:169)
-HTTP_LOCK_S = 60.0  # the HTTP server's lock timeout, fixed by torchtitan (see above)
 GB = 1e9
-# Low end of each measured range, bytes/s (docs/gpu-check/README.md): GPU state on an
-# H200 host at 1-8.5 GB; CPU state on the 2-core development machine at 1.9 GB
-# (`tools/heal_rate.py --gb 2`, 2026-12-01: HTTP 1.40 GB/s, gloo 1.39 GB/s; at 64-256 MiB
-# fixed costs dominate: 0.83 and 0.35 GB/s).
+# Low end of each measured range, bytes/s. GPU: state on an H200 host at 1-8.5 GB
+# (docs/gpu-check/README.md); `tcp` not measured there, so budgeted at HTTP's rate. CPU: the
+# 2-core development machine at 0.25-4 GB per rank (`make bench-heal`, 2026-12-01).
 RATES = {
-    "gpu": {"http": 0.41 * GB, "pg_gloo": 0.69 * GB},
-    "cpu": {"http": 1.40 * GB, "pg_gloo": 1.39 * GB},
+    "gpu": {"http": 0.41 * GB, "tcp": 0.41 * GB},
+    "cpu": {"http": 0.25 * GB, "tcp": 2.7 * GB},
 }
 HOSTS = {"cpu": "cpu", "rocm": "gpu", "cuda": "gpu"}
 # A last-resort checkpoint's pause: DCP's async staging into host memory, low end measured here
@@ -109,12 +99,6 @@ def heal_seconds(bytes_per_rank: int, rate_bytes_per_s: float) -> float:
     return SAFETY * bytes_per_rank / rate_bytes_per_s + FIXED_S
 
 
-def choose_transport(platform_kind: str, bytes_per_rank: int) -> str:
-    """HTTP while its heal fits the lock torchft holds it to, else PGTransport over gloo."""
-    http_rate = RATES[HOSTS[platform_kind]]["http"]
-    return "http" if heal_seconds(bytes_per_rank, http_rate) <= HTTP_LOCK_S else "pg_gloo"
-
-
 def derive(
     bytes_per_rank: int, rate_bytes_per_s: float, median_step_s: float, largest_tensor_bytes: int = 0
 ) -> HealBudget:
@@ -135,15 +119,13 @@ def derive(
 
 
 def describe(
-    recipe: str, procs_per_replica: int, platform_kind: str, median_step_s: float = 0.0, transport: str = ""
+    recipe: str, procs_per_replica: int, platform_kind: str, median_step_s: float = 0.0, transport: str = "tcp"
 ) -> dict:
-    """A heal budget for the run record and the README (`transport`: override the choice,
-    e.g. "http" for what is wired today)."""
+    """A heal budget for the run record and the README."""
     from monarch_sky.recipes import RECIPES
 
     params, largest = RECIPES[recipe].params, RECIPES[recipe].largest_param  # tests check them (built_sizes)
     nbytes = state_bytes_per_rank(params, procs_per_replica)
-    transport = transport or choose_transport(platform_kind, nbytes)
     rate = RATES[HOSTS[platform_kind]][transport]
     largest_bytes = math.ceil(largest / procs_per_replica) * 4  # one fp32 shard
     budget = derive(nbytes, rate, median_step_s, largest_tensor_bytes=largest_bytes)
@@ -152,7 +134,7 @@ def describe(
         "params": params,
         "ranks_per_group": procs_per_replica,
         "bytes_per_rank": nbytes,
-        # HTTP and PGTransport over gloo stage the whole state in host memory, both ends
+        # both transports stage the whole state in host memory, at both ends
         "host_bytes_per_group": nbytes * procs_per_replica,
         "transport": transport,
         "rate_bytes_per_s": rate,
@@ -161,12 +143,9 @@ def describe(
 
 
 def apply(cfg, platform_kind: str) -> dict:
-    """Raise the timeouts a heal runs under to what this job's model needs (never lower
-    them), and return the budget for the run record. The transport is HTTP: torchtitan
-    wires no other into TorchFT's manager (`choose_transport` says what would be better)."""
-    info = describe(cfg.recipe, ranks_per_group(cfg), platform_kind, transport="http")
-    info["transport_advised"] = choose_transport(platform_kind, info["bytes_per_rank"])
-    info["over_http_lock"] = info["heal_s"] > HTTP_LOCK_S
+    """Raise the timeouts a heal runs under to what this job's model needs at its transport's
+    rate (never lower them), and return the budget for the run record."""
+    info = describe(cfg.recipe, ranks_per_group(cfg), platform_kind, transport=heal_transport(cfg.ft.heal_transport))
     cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])
     cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, info["quorum_timeout_s"])
     cfg.timeouts.step_s = max(cfg.timeouts.step_s, info["step_s"])

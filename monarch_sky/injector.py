@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 from monarch_sky.faults import PROCESS_KINDS, Fault
-from monarch_sky.step_result import StepResult
+from monarch_sky.step_result import HealInfo, StepResult
 
 
 @dataclass
@@ -29,8 +29,11 @@ class FaultRecord:
     rejoined_at: float | None = None  # the respawned group committed a step with the others
     recovered_from: str | None = None  # "peer": weights from another group; "in place": no respawn
     steps_while_down: set[int] = field(default_factory=set)  # committed without the group
-    heal_bytes: int = 0  # the state the respawned group received from a peer
-    heal_step_s: float | None = None  # how long its step that received it took (transfer included)
+    heal: HealInfo | None = None  # what the respawned group received from a peer
+    # The longest survivor step beyond the median, from the step that served the heal to the
+    # first one issued after the rejoin.
+    survivors_pause_s: float | None = None
+    pausing: bool = False
 
     def seconds(self, at: float | None) -> float | None:
         return None if at is None else round(at - self.injected_at, 3)
@@ -46,8 +49,11 @@ class FaultRecord:
             "rejoined_s": self.seconds(self.rejoined_at),
             "recovered_from": self.recovered_from,
             "steps_while_down": len(self.steps_while_down),
-            "heal_bytes": self.heal_bytes,
-            "heal_step_s": self.heal_step_s,
+            "heal_bytes": self.heal.nbytes if self.heal else 0,
+            "heal_step_s": self.heal.step_s if self.heal else None,
+            "heal_s": self.heal.transfer_s if self.heal else None,
+            "heal_gb_per_s": self.heal.gb_per_s if self.heal else None,
+            "survivors_pause_s": self.survivors_pause_s,
         }
 
 
@@ -124,14 +130,32 @@ class FaultInjector:
                 rec.resumed_at = now
                 self.record.event("survivors_resumed", replica=rec.fault.replica, seconds=rec.seconds(now))
 
-    def rejoined(self, replica: int, source: str, now: float, heal: tuple[int, float | None] = (0, None)) -> list[FaultRecord]:
-        """`heal`: (bytes, seconds) of the step in which the group received the state."""
+    def rejoined(self, replica: int, source: str, now: float, heal: HealInfo | None = None) -> list[FaultRecord]:
+        """`heal`: the step in which the group received the state."""
         faults = self.open_faults(replica)
         for rec in faults:
             rec.rejoined_at, rec.recovered_from = now, source
-            rec.heal_bytes, rec.heal_step_s = heal
+            rec.heal = heal
             self.tracker.note({"fault/rejoined_s": rec.seconds(now)})
         return faults
+
+    def served(self, r: StepResult, pause_s: float) -> None:
+        """Group `r.replica` staged its state for a rejoining peer in this step: the newest
+        fault of another group still waiting for its heal starts counting the survivors' pause."""
+        self.record.event("heal_served", replica=r.replica, step=r.step, bytes=r.served_bytes,
+                          snapshot_s=round(r.snapshot_s, 3), step_s=round(r.seconds, 3), pause_s=round(pause_s, 3))
+        waiting = [rec for rec in self.records if rec.fault.replica != r.replica and rec.survivors_pause_s is None
+                   and rec.recovered_from is None]
+        if waiting:
+            waiting[-1].pausing = True
+
+    def survivor_step(self, r: StepResult, issued: float, pause_s: float) -> None:
+        """A survivor's step took `pause_s` longer than the median: counted for the heals it waited on."""
+        for rec in self.records:
+            if rec.pausing and rec.fault.replica != r.replica:
+                rec.survivors_pause_s = max(rec.survivors_pause_s or 0.0, round(pause_s, 3))
+                if rec.rejoined_at is not None and issued > rec.rejoined_at:
+                    rec.pausing = False
 
     def same_generation_result(self, r: StepResult, generation: int, issued: float, now: float) -> list[FaultRecord]:
         """The group a fault hit answered without a respawn (a comms fault TorchFT

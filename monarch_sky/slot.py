@@ -24,7 +24,7 @@ from monarch_sky.detection import kill_on_hosts, start_host_agent
 from monarch_sky.generations import Generations
 from monarch_sky.hosts import Host
 from monarch_sky.replica import GroupFailed, ReplicaGroup
-from monarch_sky.step_result import StepResult
+from monarch_sky.step_result import HealInfo, StepResult
 from monarch_sky.supervision import describe_error
 
 
@@ -52,7 +52,7 @@ class Slot:
         self.in_flight_since: float | None = None  # when the step call now running was issued
         self.last_failure: str | None = None  # why the last recovery attempt failed
         self.last_commit_issued = 0.0  # when the last step this slot committed across groups was issued
-        self.heal: tuple[int, float | None] = (0, None)  # bytes, seconds of this generation's healing step
+        self.heal: HealInfo | None = None  # this generation's healing step
 
     @property
     def hosts(self) -> list[Host]:
@@ -171,7 +171,12 @@ class Slot:
         self.uncommitted += not r.committed
         self.data_states = r.data_states or self.data_states
         if r.healed_now:
-            self.heal = (r.heal_bytes, round(r.seconds, 3))
+            self.heal = HealInfo.of(r)
+        pause_s = max(0.0, r.seconds - ctx.ledger.median_step_s())
+        if r.served_bytes:
+            ctx.injector.served(r, pause_s)
+        if self.state is SlotState.TRAINING:
+            ctx.injector.survivor_step(r, issued, pause_s)
         ctx.ledger.add(r, now)
         if self.state is SlotState.REJOINING and not r.committed:
             ctx.record.event("rejoin_step_not_committed", replica=self.index, step=r.step, healed=r.healed)
@@ -194,14 +199,16 @@ class Slot:
             return
         self.state = SlotState.TRAINING
         source = "peer" if r.healed and behind == rejoin.Behind.NO else "scratch"
-        (nbytes, seconds), self.heal = self.heal, (0, None)
-        faults = self.ctx.injector.rejoined(self.index, source, now, (nbytes, seconds))
+        heal, self.heal = self.heal or HealInfo(0, 0.0, 0.0), None
+        faults = self.ctx.injector.rejoined(self.index, source, now, heal)
         self.ctx.record.event(
             "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source,
-            heal_bytes=nbytes, heal_step_s=seconds,
+            heal_bytes=heal.nbytes, heal_step_s=heal.step_s, heal_s=heal.transfer_s, heal_gb_per_s=heal.gb_per_s,
+            heal_sources=list(heal.sources), heal_transport=self.ctx.heal_transport,
         )
         after = "".join(f", {rec.seconds(now):.2f}s after the {rec.fault.kind}" for rec in faults)
-        carried = f", {nbytes / 1e6:.1f} MB in a {seconds:.2f}s step" if nbytes else ""
+        rate = f" at {heal.gb_per_s:.2f} GB/s" if heal.gb_per_s else ""
+        carried = f", {heal.nbytes / 1e6:.1f} MB{rate} in a {heal.step_s:.2f}s step" if heal.nbytes else ""
         self.ctx.display.line(f"[replica {self.index}] rejoined at step {r.step}{after} (weights from {source}{carried})")
         self.gens.refill_standby()
 

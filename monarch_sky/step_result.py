@@ -24,9 +24,32 @@ class StepResult:
     healed_now: bool  # ... in this step
     seconds: float
     heal_bytes: int = 0  # bytes of state the group's ranks received from a peer in this step
+    heal_s: float = 0.0  # the longest of its ranks' transfers in this step
+    heal_sources: tuple = ()  # the addresses its ranks received from
+    served_bytes: int = 0  # bytes of state the group's ranks staged for a rejoining peer
+    snapshot_s: float = 0.0  # the longest staging: how long serving held this group's step
     # Per rank (rank order): the dataloader state at the last point whose training stands;
     # the group's next generation continues its data exactly there.
     data_states: tuple = ()
+
+
+@dataclass(frozen=True)
+class HealInfo:
+    """What a rejoining group received in the step that healed it."""
+
+    nbytes: int  # all of its ranks together
+    step_s: float  # its healing step, transfer included
+    transfer_s: float  # the longest of its ranks' transfers (0: the transport does not say)
+    sources: tuple = ()
+
+    @classmethod
+    def of(cls, r: "StepResult") -> "HealInfo":
+        return cls(r.heal_bytes, round(r.seconds, 3), round(r.heal_s, 3), r.heal_sources)
+
+    @property
+    def gb_per_s(self) -> float | None:
+        """The group's rate: its ranks heal side by side, each over its own connections."""
+        return round(self.nbytes / self.transfer_s / 1e9, 3) if self.transfer_s > 0 else None
 
 
 def combine(per_rank: list[StepResult]) -> StepResult:
@@ -43,6 +66,10 @@ def combine(per_rank: list[StepResult]) -> StepResult:
         healed=any(r.healed for r in per_rank),
         healed_now=healed_now,
         heal_bytes=sum(r.heal_bytes for r in per_rank),
+        heal_s=max(r.heal_s for r in per_rank),
+        heal_sources=tuple(sorted({s for r in per_rank for s in r.heal_sources})),
+        served_bytes=sum(r.served_bytes for r in per_rank),
+        snapshot_s=max(r.snapshot_s for r in per_rank),
         seconds=max(r.seconds for r in per_rank),
         data_states=tuple(state for r in per_rank for state in r.data_states),
     )

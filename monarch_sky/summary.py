@@ -26,6 +26,7 @@ def build_summary(
         "procs_per_replica": cfg.procs_per_replica,
         "hosts_per_replica": cfg.hosts_per_replica,
         "ft_mode": cfg.ft.mode,
+        "heal_transport": ctx.heal_transport,
         "platform": ctx.replica_platform or ctx.platform.kind,  # the trainers' hosts, e.g. "rocm x8"
         "target_steps": cfg.steps,
         "committed_steps": ctx.ledger.run_step,

@@ -22,7 +22,7 @@ import time
 import torch
 
 from monarch_sky import platform as platform_mod
-from monarch_sky import test_hooks, trainer_checkpoint
+from monarch_sky import heal_transport, test_hooks, trainer_checkpoint
 from monarch_sky.data_position import DataPosition
 from monarch_sky.digest import shard_digest
 from monarch_sky.recipes import RECIPES, TrainerSpec
@@ -73,6 +73,7 @@ class GroupTrainer:
 
         self.trainer = trainer = FaultTolerantTrainer(config)
         self.manager = trainer.ft_manager.manager
+        self.transport = heal_transport.install(self.manager, self.spec.ft["heal_transport"], self.spec.ft["timeout_s"])
         self._record_commit_decisions()
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
@@ -105,6 +106,8 @@ class GroupTrainer:
         name = f"replica{self.spec.replica}-rank{rank}"
         self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)
         self._params = [p for m in trainer.model_parts for p in m.parameters()]
+        if self._rejoining:
+            heal_transport.prepare_receive(self.transport, self._params, copies=5 if self._diloco else 3)
         self._perturb = test_hooks.perturb_replica(self.spec.replica)
         loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")
         self._loss_group = loss_mesh.get_group() if loss_mesh is not None else None
@@ -206,6 +209,7 @@ class GroupTrainer:
             heal_bytes=self._take_heal_bytes(),
             seconds=time.perf_counter() - start,
             data_states=(self._data.kept,),
+            **heal_transport.step_stats(self.transport),
         )
 
     def _settle_data(self, trained: bool) -> None:
@@ -253,6 +257,7 @@ class GroupTrainer:
             heal_bytes=self._take_heal_bytes(),
             seconds=time.perf_counter() - start,
             data_states=(self._data.kept,),
+            **heal_transport.step_stats(self.transport),
         )
 
     def _take_heal_bytes(self) -> int:

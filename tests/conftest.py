@@ -104,6 +104,7 @@ def one_rank_trainer_env():
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
         LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", TORCHFT_LIGHTHOUSE=f"http://127.0.0.1:{port}",
+        MONARCH_SKY_HEAL_SECRET=os.urandom(32).hex(),
     )
     return lighthouse
 

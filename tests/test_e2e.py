@@ -36,6 +36,11 @@ def assert_recovered(run: Run, kind: str, replica: int, replicas: int) -> dict:
     params = RECIPES[s["recipe"]].params
     assert 12 * params <= fault["heal_bytes"] < 12 * params + 4096, fault["heal_bytes"]
     assert fault["heal_step_s"] > 0
+    [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
+    assert rejoined["heal_transport"] == s["heal_transport"] in ("tcp", "http")
+    if s["heal_transport"] == "tcp":  # it times its transfers and names its sources
+        assert 0 < fault["heal_s"] <= fault["heal_step_s"] and fault["heal_gb_per_s"] > 0
+        assert rejoined["heal_sources"], "the transport names the ranks it healed from"
     digests = s["final_param_digest"]
     assert sorted(digests) == [str(i) for i in range(replicas)]
     assert len(set(digests.values())) == 1, f"replicas ended with different weights: {digests}"
@@ -94,6 +99,23 @@ def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(r
     # rejoiner stood by while the survivor trained on towards the sync, instead of asking
     # for a quorum the survivor would only answer at that sync.
     assert waited["waited_steps"] >= 10, f"test premise: the rejoiner must wait out survivor steps: {waited}"
+
+
+def test_a_kill_heals_over_torchfts_http_transport_too(run_dir):
+    run = train(run_dir, "replicas=2", "steps=40", "faults=kill@10:1", "ft.heal_transport=http")
+    assert_recovered(run, "kill", replica=1, replicas=2)
+    assert run.summary["heal_transport"] == "http"
+
+
+def test_a_heal_three_times_longer_than_the_transports_timeout_fails_no_group(run_dir):
+    # Test settings: every bound of the heal transport is 1 s, and the serving side sends its
+    # ~1.4 MB per connection at 0.4 MB/s, so the heal lasts ~3.5 s. Nothing may time out.
+    hooks = {"MONARCH_SKY_TEST_HEAL_TIMEOUT_S": "1", "MONARCH_SKY_TEST_HEAL_PACE": "400000"}
+    run = train(run_dir, "replicas=2", "steps=40", "faults=kill@10:1", env=hooks)
+    fault = assert_recovered(run, "kill", replica=1, replicas=2)
+    assert fault["heal_s"] > 3 * 1, f"test premise: the heal outlasts the transport's 1 s bounds three times: {fault}"
+    assert run.summary["restarts"] == {"0": 0, "1": 1}, "a group failed during the long heal"
+    assert fault["survivors_pause_s"] is not None, "the survivors' pause during the heal is recorded"
 
 
 def test_rejoin_is_recorded_only_when_a_commit_with_the_peers_succeeds(run_dir):

@@ -15,7 +15,7 @@ import pytest
 from conftest import REPO, cli_env
 from monarch_sky.config import FTSettings, TimeoutSettings
 from monarch_sky.heal_budget import (
-    RATES, TORCHFT_TIMEOUT_S, choose_transport, derive, state_bytes_per_rank,
+    RATES, TORCHFT_TIMEOUT_S, derive, state_bytes_per_rank,
 )
 
 DESCRIBE = """
@@ -68,17 +68,19 @@ def test_an_8b_rank_receives_about_12_gb():
 
 def test_the_tiny_recipe_keeps_todays_defaults(described):
     tiny = described["llama3_tiny"]
-    assert tiny["transport"] == "http"
+    assert tiny["transport"] == "tcp"
     for name, (value, default) in today(tiny).items():
         if name != "healing_step_s":  # a new allowance; the config's hang_s stays
             assert value == default, name
     assert tiny["healing_step_s"] <= 15
 
 
-def test_big_models_heal_over_a_process_group_with_longer_timeouts(described):
+def test_big_models_get_longer_timeouts_that_cover_their_heal(described):
     b8, b70 = described["llama3_8b"], described["llama3_70b"]
-    assert b8["transport"] == b70["transport"] == "pg_gloo"  # HTTP would outlast torchft's lock
-    assert b70["heal_s"] > 2 * b70["bytes_per_rank"] / RATES["gpu"]["pg_gloo"]
+    assert b8["transport"] == b70["transport"] == "tcp"
+    assert b70["heal_s"] > 2 * b70["bytes_per_rank"] / RATES["gpu"]["tcp"]
+    for b in (b8, b70):  # every bound of the transport is the manager's timeout
+        assert b["ft_timeout_s"] >= b["heal_s"]
     for name, (value, default) in today(b70).items():
         assert value >= today(b8)[name][0] >= default, name
     assert b70["ft_timeout_s"] > TORCHFT_TIMEOUT_S and b70["quorum_timeout_s"] > FTSettings().quorum_timeout_s
@@ -103,12 +105,6 @@ def test_timeouts_grow_with_the_state_and_never_drop_below_the_defaults(median_s
     assert budgets[-1].process_group_timeout_ms > ft.process_group_timeout_ms  # a 100 GB tensor
 
 
-def test_http_only_while_it_fits_torchfts_lock():
-    assert choose_transport("cpu", 10**6) == choose_transport("rocm", 10**6) == "http"
-    assert choose_transport("rocm", 12 * 10**9) == choose_transport("cuda", 12 * 10**9) == "pg_gloo"
-    assert choose_transport("cpu", 100 * 10**9) == "pg_gloo"
-
-
 def test_a_big_job_gets_its_heal_timeouts_raised_and_a_tiny_one_keeps_its_own():
     from omegaconf import OmegaConf
 
@@ -120,13 +116,30 @@ def test_a_big_job_gets_its_heal_timeouts_raised_and_a_tiny_one_keeps_its_own():
         return OmegaConf.merge(OmegaConf.structured(JobConfig), RECIPES[recipe].job_defaults, {"recipe": recipe}, overrides)
 
     tiny = job("llama3_tiny", timeouts={"step_s": 240.0})
-    assert not apply(tiny, "cpu")["over_http_lock"]
+    apply(tiny, "cpu")
     assert (tiny.ft.timeout_s, tiny.ft.quorum_timeout_s, tiny.timeouts.step_s) == (60, 60, 240.0)  # never lowered
     big = job("llama3_70b")
     budget = apply(big, "rocm")
-    assert budget["transport"] == "http" and budget["transport_advised"] == "pg_gloo" and budget["over_http_lock"]
+    assert budget["transport"] == "tcp"
     assert big.ft.timeout_s == budget["ft_timeout_s"] > 60
     assert big.ft.quorum_timeout_s == budget["quorum_timeout_s"] < big.timeouts.step_s == budget["step_s"]
+
+
+def test_a_job_that_heals_over_http_is_budgeted_at_https_rate():
+    from omegaconf import OmegaConf
+
+    from monarch_sky.config import JobConfig
+    from monarch_sky.heal_budget import apply
+    from monarch_sky.recipes import RECIPES
+
+    def job(transport):
+        return OmegaConf.merge(OmegaConf.structured(JobConfig), RECIPES["llama3_8b"].job_defaults,
+                               {"recipe": "llama3_8b", "ft": {"heal_transport": transport}})
+
+    http, tcp = apply(job("http"), "cpu"), apply(job("auto"), "cpu")
+    assert (http["transport"], tcp["transport"]) == ("http", "tcp")
+    assert http["rate_bytes_per_s"] == RATES["cpu"]["http"] < tcp["rate_bytes_per_s"] == RATES["cpu"]["tcp"]
+    assert http["ft_timeout_s"] >= http["heal_s"] > tcp["heal_s"], "HTTP's lock is the manager timeout: it covers the heal"
 
 
 def test_a_checkpointing_job_keeps_the_saving_group_in_the_quorum():

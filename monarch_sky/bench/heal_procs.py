@@ -1,0 +1,205 @@
+"""The processes of `make bench-heal` (`monarch_sky.bench.heal`): senders that hold a
+rank-shaped state and serve it over one transport at a time, and the receiver that heals from
+them and checks every tensor bit for bit. Each answers its driver over a multiprocessing pipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+MIB = 1 << 20
+TENSOR_BYTES = 64 * MIB
+WIDTH = 1024
+
+
+def shapes(total: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each parameter; three fp32 copies (param, exp_avg, exp_avg_sq) add up to `total`."""
+    per_param = max(4 * WIDTH, min(TENSOR_BYTES, total // 48))
+    layers = max(1, round(total / (3 * (per_param + 4 * WIDTH))))
+    return [(f"layers.{i}.{kind}", shape) for i in range(layers)
+            for kind, shape in (("w", (per_param // (4 * WIDTH), WIDTH)), ("norm", (WIDTH,)))]
+
+
+def tensor(index: int, shape) -> "torch.Tensor":
+    import torch
+
+    return (torch.arange(_numel(shape), dtype=torch.float32) * 1e-3 + index).view(shape)
+
+
+def receive_bytes(total: int) -> int:
+    """What a rejoining rank maps for this state (`heal_transport.prepare_receive`'s rule)."""
+    from monarch_sky.heal_wire import ALIGN
+
+    tensors = [(n, 4) for _, shape in shapes(total) for n in [_numel(shape)]]
+    return sum(3 * n * size for n, size in tensors) + 2 * ALIGN * 3 * len(tensors) + (1 << 16)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def make_state(total: int) -> dict:
+    import torch
+
+    model, opt, i = {}, {}, 0
+    for name, shape in shapes(total):
+        model[name] = tensor(i, shape)
+        opt[name] = {"exp_avg": tensor(i + 1, shape), "exp_avg_sq": tensor(i + 2, shape), "step": torch.tensor(7.0)}
+        i += 3
+    return {"user": {"monarch_sky": {"model": model, "optimizer": [opt], "ntokens_seen": 123,
+                                     "param_groups": [[{"lr": 3e-4, "betas": (0.9, 0.95)}]]}},
+            "torchft": {"step": 7, "batches_committed": 14}}
+
+
+def verify(state: dict, total: int) -> tuple[bool, int]:
+    import torch
+
+    s, ok, nbytes, i = state["user"]["monarch_sky"], True, 0, 0
+    for name, shape in shapes(total):
+        got = [s["model"][name], s["optimizer"][0][name]["exp_avg"], s["optimizer"][0][name]["exp_avg_sq"]]
+        for k, t in enumerate(got):
+            ok = ok and torch.equal(t, tensor(i + k, shape))
+            nbytes += t.numel() * t.element_size()
+        i += 3
+    return bool(ok and s["param_groups"][0][0]["betas"] == (0.9, 0.95)), nbytes
+
+
+# ---- the processes ---------------------------------------------------------------------
+
+
+def _transport(kind: str, rank: int, store_addr: str, case: str, timeout: timedelta):
+    import torch
+    from torchft.checkpointing.http_transport import HTTPTransport
+    from torchft.checkpointing.pg_transport import PGTransport
+    from torchft.process_group import ProcessGroupGloo
+
+    from monarch_sky.heal_transport import TCPHealTransport
+    from monarch_sky.heal_wire import secret_from_env
+
+    if kind == "http":
+        return HTTPTransport(timeout=timeout, num_chunks=0)
+    if kind == "pg_gloo":
+        pg = ProcessGroupGloo(timeout=timeout)
+        pg.configure(f"{store_addr}/heal/{case}", "bench", rank, 2)
+        return PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
+    return TCPHealTransport("127.0.0.1", secret_from_env(), timeout.total_seconds())
+
+
+def sender(conn, store_addr: str, timeout_s: float) -> None:
+    """Holds a state per size; serves it over the transport each case names."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from monarch_sky import heal_wire
+
+    states: dict[int, dict] = {}
+    tcp: dict[int, object] = {}  # kept per size, its snapshot buffer mapped, as a trainer's is
+    timeout = timedelta(seconds=timeout_s)
+    while (msg := conn.recv()) is not None:
+        kind, total, case, step_s = msg
+        if kind.startswith("raw"):
+            conn.send(_raw_send(conn, total))
+            continue
+        if total not in states:  # one size at a time: 4 GB of state and its snapshot is enough
+            for old in list(tcp.values()):
+                old.shutdown()
+            states.clear(), tcp.clear()
+            states[total] = make_state(total)
+        state = states[total]
+        if kind.startswith("tcp") and total not in tcp:
+            tcp[total] = _transport("tcp", 0, store_addr, case, timeout)
+            tcp[total].prepare(heal_wire.layout(state)[3])
+        transport = tcp[total] if kind.startswith("tcp") else _transport(kind, 0, store_addr, case, timeout)
+        conn.send(transport.metadata() if hasattr(transport, "metadata") else "")
+        conn.recv()  # the receiver has begun
+        began = time.perf_counter()
+        transport.send_checkpoint(dst_ranks=[1], step=7, state_dict=state, timeout=timeout)
+        sent = time.perf_counter()
+        time.sleep(max(0.0, step_s - (sent - began)))  # the rest of the serving rank's step
+        blocked = time.perf_counter()
+        transport.disallow_checkpoint()
+        pause = (sent - began) + (time.perf_counter() - blocked)
+        conn.send({"pause_s": round(pause, 3)})
+        conn.recv()  # the receiver is done: close
+        if not kind.startswith("tcp"):
+            transport.shutdown(wait=False)
+
+
+def receiver(conn, store_addr: str, timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from monarch_sky import heal_transport, heal_wire
+
+    timeout = timedelta(seconds=timeout_s)
+    while (msg := conn.recv()) is not None:
+        kind, total, case, sources = msg
+        if kind.startswith("raw"):
+            conn.send(_raw_recv(sources[0], total, 1 if kind == "raw x1" else heal_transport.STREAMS))
+            continue
+        if kind.startswith("tcp"):
+            into = heal_wire.host_buffer(receive_bytes(total))  # a rejoiner maps it while it builds
+            began = time.perf_counter()
+            state, _ = heal_transport.fetch(sources, 7, heal_wire.secret_from_env(), timeout_s, into=into)
+        else:
+            transport = _transport(kind, 1, store_addr, case, timeout)  # pg: meets the sender's
+            conn.send("ready")
+            began = time.perf_counter()
+            state = transport.recv_checkpoint(src_rank=0, metadata=conn.recv(), step=7, timeout=timeout)
+        seconds = time.perf_counter() - began
+        equal, nbytes = verify(state, total)
+        conn.send({"seconds": round(seconds, 3), "bytes": nbytes, "equal": equal})
+        del state
+
+
+def _raw_send(conn, total: int) -> dict:
+    from monarch_sky import heal_wire
+
+    buffer = heal_wire.host_buffer(total)
+    view = heal_wire.byte_view(buffer)
+    server = socket.create_server(("127.0.0.1", 0))
+    conn.send(f"127.0.0.1:{server.getsockname()[1]}")
+
+    def serve(c) -> None:
+        with c:
+            start, end = json.loads(heal_wire.recv_msg(c)["range"])
+            for at in range(start, end, heal_wire.CHUNK):
+                c.sendall(view[at:min(end, at + heal_wire.CHUNK)])
+
+    threads = []
+    server.settimeout(60)
+    streams = conn.recv()
+    for _ in range(streams):
+        c, _ = server.accept()
+        threads.append(threading.Thread(target=serve, args=(c,)))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    server.close()
+    return {}
+
+
+def _raw_recv(address: str, total: int, streams: int) -> dict:
+    from monarch_sky import heal_wire
+
+    buffer = heal_wire.host_buffer(total)
+    view = heal_wire.byte_view(buffer)
+    host, port = address.rsplit(":", 1)
+    size = -(-total // streams)
+
+    def pull(i: int) -> None:
+        start, end = i * size, min(total, (i + 1) * size)
+        with socket.create_connection((host, int(port)), timeout=60) as c:
+            heal_wire.send_msg(c, {"range": json.dumps([start, end])})
+            heal_wire.recv_into(c, view[start:end])
+
+    began = time.perf_counter()
+    threads = [threading.Thread(target=pull, args=(i,)) for i in range(streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"seconds": round(time.perf_counter() - began, 3), "bytes": total, "equal": True}
