@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
 
     add_arguments(bench)
     report = sub.add_parser("report", help="render the table and plots of a past run or bench")
-    report.add_argument("path", metavar="RUN_OR_BENCH_DIR", help="a run folder (summary.json) or bench folder (bench.json)")
+    report.add_argument("path", metavar="RUN_OR_BENCH_DIR", help="a run folder (summary.json) or bench folder (bench.json, bench-heal.json)")
 
     sub.add_parser("tls-ca", help="make a run CA: prints shell exports of MONARCH_SKY_TLS_CA and _KEY")
     node = sub.add_parser("tls-node", help="issue this node's certificate from the run CA in the environment")

@@ -205,6 +205,9 @@ def fabric_checks(fabric: Fabric, environ) -> list[Check]:
     checks.append(Check("ok" if fabric.rdma_usable else "warn", "rdma", fabric.rdma_verdict()))
     if not fabric.rdma_usable and environ.get("NCCL_IB_DISABLE", "0") != "1":
         checks.append(Check("warn", "rdma", "NCCL_IB_DISABLE is not 1 although RDMA is unusable: RCCL may try the adapters and fail"))
+    where = f"TCP on {fabric.iface}" if fabric.iface else "TCP"
+    checks.append(Check("ok", "heal-transport", f"heals (ft.heal_transport=auto: tcp) run over {where}, with or "
+                        "without RDMA; `make bench-heal` measures the rate against raw TCP"))
     settings = " ".join(f"{k}={environ[k]}" for k in sorted(environ) if k.startswith(ENV_PREFIXES))
     checks.append(Check("ok", "env", settings or "no NCCL_*, GLOO_* or HSA_* set: RCCL and gloo choose for themselves"))
     return checks

@@ -82,10 +82,11 @@ def pack(state: Any, step: int, into: torch.Tensor | None = None) -> Packed:
     """Snapshot `state` (into `into` when it is large enough: its pages are mapped already)."""
     leaves, spec, described, nbytes = layout(state)
     buffer = into[:nbytes] if into is not None and into.numel() >= nbytes else host_buffer(nbytes)
+    pinned = buffer.is_pinned()  # device to pinned host memory: queue every copy, then wait once
     for leaf, desc in zip(leaves, described):
         if torch.is_tensor(leaf):
-            _view(buffer, desc).copy_(leaf.detach())
-    if torch.cuda.is_available():
+            _view(buffer, desc).copy_(leaf.detach(), non_blocking=pinned)
+    if pinned:
         torch.cuda.synchronize()
     header = {"step": step, "spec": treespec_dumps(spec), "leaves": described, "nbytes": nbytes}
     return Packed(header, buffer)

@@ -23,3 +23,6 @@ def test_every_transport_heals_bit_for_bit_and_is_compared_to_the_raw_ceiling(tm
     assert max(rows["raw"]["vs_raw"], rows["raw x1"]["vs_raw"]) == 1.0
     assert all(rows[k]["pause_s"] >= 0 for k in ("tcp", "tcp x2", "http", "pg_gloo"))
     assert "| 0.02 | tcp |" in proc.stdout and (tmp_path / "heal.png").stat().st_size > 0
+    report = subprocess.run([sys.executable, "-m", "monarch_sky", "report", str(tmp_path)], cwd=REPO, env=cli_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0 and "| 0.02 | tcp |" in report.stdout, report.stderr

@@ -271,10 +271,18 @@ def render_run(run_dir: Path) -> str:
 
 
 def render(path: Path) -> tuple[str, list[Path]]:
-    """Report on a bench dir (bench.json) or a run dir (summary.json): (markdown, PNGs written)."""
+    """Report on a bench dir (bench.json), a heal bench dir (bench-heal.json) or a run dir
+    (summary.json): (markdown, PNGs written)."""
     path = Path(path)
     if (path / "bench.json").exists():
         return bench_report(path)
+    if (path / "bench-heal.json").exists():
+        from monarch_sky.bench import heal
+
+        result = json.loads((path / "bench-heal.json").read_text())
+        heal.plot(result, path / "heal.png")
+        return heal.table(result), [path / "heal.png"]
     if (path / "summary.json").exists():
         return run_report(path)
-    raise ValueError(f"{path}: expected a bench dir (bench.json) or a run dir (summary.json); found neither")
+    raise ValueError(f"{path}: expected a bench dir (bench.json or bench-heal.json) or a run dir (summary.json); "
+                     "found none")
