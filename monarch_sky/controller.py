@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import time
 from typing import Any
 
@@ -110,16 +111,16 @@ class Controller:
     def _start_lighthouse(self) -> None:
         from torchft.coordination import LighthouseServer
 
-        ft = self.ctx.cfg.ft
+        ft, ip = self.ctx.cfg.ft, self.ctx.provider.controller_ip()
         self.lighthouse = LighthouseServer(
-            bind="0.0.0.0:0",
+            bind=f"{socket.gethostbyname(ip)}:0",  # the address the hosts reach, not every interface
             min_replicas=ft.min_replicas,
             join_timeout_ms=ft.join_timeout_ms,
             quorum_tick_ms=ft.quorum_tick_ms,
             heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
         )
         port = self.lighthouse.address().rsplit(":", 1)[1]
-        self.ctx.lighthouse_address = f"http://{self.ctx.provider.controller_ip()}:{port}"
+        self.ctx.lighthouse_address = f"http://{ip}:{port}"
         self.ctx.record.event("lighthouse_started", address=self.ctx.lighthouse_address)
 
     async def _start_hosts(self) -> None:

@@ -46,7 +46,7 @@ class HealStats:
 
     received_bytes: int = 0
     received_s: float = 0.0
-    sources: list[str] = field(default_factory=list)
+    sources: dict[str, int] = field(default_factory=dict)  # address -> bytes received from it
     served_bytes: int = 0  # bytes of state this rank staged for a peer
     snapshot_s: float = 0.0  # how long staging held this rank's step
 
@@ -236,7 +236,8 @@ class TCPHealTransport(CheckpointTransport[dict]):
         with self._lock:
             self._stats.received_bytes += sum(per_source.values())
             self._stats.received_s += time.perf_counter() - began
-            self._stats.sources += list(per_source)
+            for source, nbytes in per_source.items():
+                self._stats.sources[source] = self._stats.sources.get(source, 0) + nbytes
         return state
 
     def take_stats(self) -> HealStats:
@@ -266,7 +267,7 @@ def step_stats(transport: CheckpointTransport) -> dict:
     if not isinstance(transport, TCPHealTransport):
         return {}
     s = transport.take_stats()
-    return {"heal_s": s.received_s, "heal_sources": tuple(s.sources), "served_bytes": s.served_bytes,
+    return {"heal_s": s.received_s, "heal_sources": tuple(s.sources.items()), "served_bytes": s.served_bytes,
             "snapshot_s": s.snapshot_s}
 
 
@@ -284,6 +285,14 @@ def install(manager, kind: str, timeout_s: float) -> CheckpointTransport:
     else:
         raise ValueError(f"ft.heal_transport={kind!r}: use one of {', '.join(KINDS)}")
     built = manager._checkpoint_transport  # torchft 0.2.0 offers no setter (see module docstring)
-    built.shutdown(wait=True)
     manager._checkpoint_transport = transport
+    threading.Thread(target=_close_http, args=(built,), name="close-torchft-http", daemon=True).start()
     return transport
+
+
+def _close_http(transport) -> None:
+    """Stop the HTTP server torchft's manager started on every interface, and close its socket
+    (its own `shutdown` leaves it listening). Off the build path: stopping waits for the
+    server's 0.5 s poll."""
+    transport.shutdown(wait=True)
+    transport._server.server_close()

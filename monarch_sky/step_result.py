@@ -25,7 +25,7 @@ class StepResult:
     seconds: float
     heal_bytes: int = 0  # bytes of state the group's ranks received from a peer in this step
     heal_s: float = 0.0  # the longest of its ranks' transfers in this step
-    heal_sources: tuple = ()  # the addresses its ranks received from
+    heal_sources: tuple = ()  # (address, bytes) its ranks received from each source
     served_bytes: int = 0  # bytes of state the group's ranks staged for a rejoining peer
     snapshot_s: float = 0.0  # the longest staging: how long serving held this group's step
     # Per rank (rank order): the dataloader state at the last point whose training stands;
@@ -40,7 +40,7 @@ class HealInfo:
     nbytes: int  # all of its ranks together
     step_s: float  # its healing step, transfer included
     transfer_s: float  # the longest of its ranks' transfers (0: the transport does not say)
-    sources: tuple = ()
+    sources: tuple = ()  # (address, bytes) per source
 
     @classmethod
     def of(cls, r: "StepResult") -> "HealInfo":
@@ -67,9 +67,18 @@ def combine(per_rank: list[StepResult]) -> StepResult:
         healed_now=healed_now,
         heal_bytes=sum(r.heal_bytes for r in per_rank),
         heal_s=max(r.heal_s for r in per_rank),
-        heal_sources=tuple(sorted({s for r in per_rank for s in r.heal_sources})),
+        heal_sources=_by_source(r.heal_sources for r in per_rank),
         served_bytes=sum(r.served_bytes for r in per_rank),
         snapshot_s=max(r.snapshot_s for r in per_rank),
         seconds=max(r.seconds for r in per_rank),
         data_states=tuple(state for r in per_rank for state in r.data_states),
     )
+
+
+def _by_source(per_rank) -> tuple:
+    """(address, bytes) pairs of every rank, summed per address."""
+    total: dict[str, int] = {}
+    for pairs in per_rank:
+        for source, nbytes in pairs:
+            total[source] = total.get(source, 0) + nbytes
+    return tuple(sorted(total.items()))

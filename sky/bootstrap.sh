@@ -169,7 +169,9 @@ serve_worker() {  # serve_worker G BASE PORT ADVERTISED: run slot G's worker, ag
     address=$SCHEME://$advertise:$port
     # A name is advertised and all interfaces bound (TCP only; a tls:// name binds its own IP).
     [ "$advertise" = "$MY_IP" ] || [ "$SCHEME" = tls ] || address="$address@tcp://0.0.0.0:$port"
-    "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
+    # The CA key signs node certificates: the controller keeps it (replacement nodes), a
+    # worker and the trainers it starts never hold it.
+    env -u MONARCH_SKY_TLS_CA_KEY "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
       > >(sed -u "s/^/[node $RANK worker $g] /") 2>&1 &
     echo $! > "$STATE/worker-$base.pid"
     rc=0

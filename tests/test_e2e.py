@@ -66,7 +66,14 @@ def test_kill_survivors_train_on_and_replica_heals_from_peer(run_dir):
 
 def test_segfault_recovers_from_warm_standby(run_dir):
     run = train(run_dir, "replicas=3", "steps=40", "faults=segfault@15:2")
-    assert_recovered(run, "segfault", replica=2, replicas=3)
+    fault = assert_recovered(run, "segfault", replica=2, replicas=3)
+    # TorchFT gives each rank its own source (round-robin from the group rank): the two ranks'
+    # heals come from both survivors, and every byte is accounted to one of them.
+    [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
+    served = {e["replica"] for e in run.events if e["event"] == "heal_served" and e["step"] > 15}
+    assert served == {0, 1}, "both survivors served a share of the heal"
+    assert len(rejoined["heal_sources"]) == 2 and all(n > 0 for n in rejoined["heal_sources"].values())
+    assert sum(rejoined["heal_sources"].values()) >= fault["heal_bytes"], "every byte came from some source"
     restarted = [e for e in run.events if e["event"] == "replica_started" and e["generation"] > 0]
     assert [(e["replica"], e["from_standby"]) for e in restarted] == [(2, True)]
     assert "segfault -> replica 2" in run.output and "rejoined" in run.output

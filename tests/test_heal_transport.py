@@ -72,7 +72,7 @@ def test_a_heal_arrives_bit_for_bit_and_the_serving_rank_trains_on_at_once(pair)
     assert_same(got, want)  # the snapshot, not the live tensors
     sent, received = serving.take_stats(), receiving.take_stats()
     assert sent.served_bytes == received.received_bytes == heal_wire.layout(want)[3]
-    assert received.sources == [serving.metadata()]
+    assert received.sources == {serving.metadata(): received.received_bytes}
 
 
 def test_a_peer_without_the_runs_secret_gets_nothing(pair):

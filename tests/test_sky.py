@@ -9,8 +9,10 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import REPO, Run, cli_env, leftovers, new_tag
@@ -190,6 +192,38 @@ def test_doctor_names_the_node_whose_worker_does_not_answer():
 RUN_CA = dict(zip((tls.CA_ENV, tls.CA_KEY_ENV), map(tls.as_secret, tls.new_ca())))
 
 
+class KeyHolders:
+    """Scans, while a run lasts, which workers and processes they started (the trainers) hold
+    MONARCH_SKY_TLS_CA_KEY."""
+
+    def __init__(self, tag: str):
+        self.tag, self.with_key, self.workers_seen, self.trainers_seen = tag, [], False, False
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._scan, daemon=True)
+        self._thread.start()
+
+    def _scan(self) -> None:
+        while not self._done.wait(0.5):
+            for p in psutil.process_iter(["pid", "cmdline"]):
+                try:
+                    env, cmd = p.environ(), " ".join(p.info["cmdline"] or [])
+                    if env.get("MONARCH_SKY_TEST_TAG") != self.tag:
+                        continue
+                    lineage = [cmd] + [" ".join(a.cmdline()) for a in p.parents()]
+                except (psutil.Error, OSError):
+                    continue
+                if not any("monarch_sky worker" in c for c in lineage):
+                    continue  # the bootstrap shells and the controller keep the key
+                self.workers_seen |= "monarch_sky worker" in cmd
+                self.trainers_seen |= "RANK" in env and "TORCHFT_LIGHTHOUSE" in env
+                if tls.CA_KEY_ENV in env and cmd not in self.with_key:
+                    self.with_key.append(cmd[:200])
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(10)
+
+
 def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str, **extra: str) -> dict[str, str]:
     return {
         **cli_env(tag),
@@ -222,16 +256,20 @@ def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path, nodes,
         )
         for rank in range(nodes)
     ]
-    outputs = []
+    outputs, holders = [], KeyHolders(tag)
     try:
         for proc in procs:
             outputs.append(proc.communicate(timeout=600)[0])
     finally:
+        holders.stop()
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
     for rank, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
+    # The CA key signs certificates for any address: only the bootstrap shells and the controller hold it.
+    assert holders.workers_seen and holders.trainers_seen, "test premise: the scan saw the workers and trainers"
+    assert holders.with_key == [], f"processes that hold the CA key but never sign: {holders.with_key}"
     run = Run(0, outputs[0], tmp_path / "runs" / tag, leftovers(tag))
     s = run.summary
     assert s["committed_steps"] == 40 and (s["replicas"], s["hosts_per_replica"]) == (replicas, per_group)
