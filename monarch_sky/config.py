@@ -143,9 +143,13 @@ def ranks_per_group(cfg) -> int:
     return cfg.procs_per_replica * cfg.hosts_per_replica
 
 
-def heal_transport(kind: str) -> str:
-    """The transport `ft.heal_transport` names ("auto": the fastest, measured by `make bench-heal`)."""
-    return "tcp" if kind == "auto" else kind
+def heal_transport(kind: str, mode: str) -> str:
+    """The transport `ft.heal_transport` names. "auto": tcp, the fastest (`make bench-heal`),
+    in step mode; http in DiLoCo, whose outer optimizer state holds DTensors that tcp's
+    pickle-free wire does not carry yet."""
+    if kind != "auto":
+        return kind
+    return "http" if mode == "diloco" else "tcp"
 
 
 def load_job(overrides: list[str]) -> Job:

@@ -271,11 +271,11 @@ def step_stats(transport: CheckpointTransport) -> dict:
             "snapshot_s": s.snapshot_s}
 
 
-def install(manager, kind: str, timeout_s: float) -> CheckpointTransport:
+def install(manager, kind: str, mode: str, timeout_s: float) -> CheckpointTransport:
     """Replace the transport TorchFT's manager was built with (before its first quorum)."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    kind = config.heal_transport(kind)
+    kind = config.heal_transport(kind, mode)
     timeout_s = test_hooks.heal_timeout_s() or timeout_s
     if kind == "tcp":
         host = os.environ.get(ADVERTISE_ENV) or "127.0.0.1"

@@ -73,7 +73,8 @@ class GroupTrainer:
 
         self.trainer = trainer = FaultTolerantTrainer(config)
         self.manager = trainer.ft_manager.manager
-        self.transport = heal_transport.install(self.manager, self.spec.ft["heal_transport"], self.spec.ft["timeout_s"])
+        ft = self.spec.ft
+        self.transport = heal_transport.install(self.manager, ft["heal_transport"], ft["mode"], ft["timeout_s"])
         self._record_commit_decisions()
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
