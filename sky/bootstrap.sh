@@ -169,9 +169,7 @@ serve_worker() {  # serve_worker G BASE PORT ADVERTISED: run slot G's worker, ag
     address=$SCHEME://$advertise:$port
     # A name is advertised and all interfaces bound (TCP only; a tls:// name binds its own IP).
     [ "$advertise" = "$MY_IP" ] || [ "$SCHEME" = tls ] || address="$address@tcp://0.0.0.0:$port"
-    # The CA key signs node certificates: the controller keeps it (replacement nodes), a
-    # worker and the trainers it starts never hold it.
-    env -u MONARCH_SKY_TLS_CA_KEY "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
+    "$PY" -m monarch_sky worker --address "$address" --until-shutdown \
       > >(sed -u "s/^/[node $RANK worker $g] /") 2>&1 &
     echo $! > "$STATE/worker-$base.pid"
     rc=0
@@ -203,6 +201,9 @@ start_workers() {  # start_workers ADVERTISED_HOST: one worker per replica group
     rm -f "$pidfile" "$STATE/worker-$base.rc"
     (
       exec 9>&-  # the controller lock stays with the controller
+      # The CA key signs node certificates: the controller keeps it (for replacement nodes); a
+      # worker, its log pipe and the trainers it starts never hold it.
+      unset MONARCH_SKY_TLS_CA_KEY
       if [ "$GPUS" -gt 0 ]; then
         export HIP_VISIBLE_DEVICES=$(seq -s, $((g * PROCS)) $(((g + 1) * PROCS - 1)))
       fi
