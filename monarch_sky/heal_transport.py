@@ -29,14 +29,14 @@ from typing import Any
 from torchft.checkpointing.transport import CheckpointTransport
 
 from monarch_sky import config, heal_wire, test_hooks
-from monarch_sky.platform import ADVERTISE_ENV
 from monarch_sky.heal_wire import HealWireError, Packed
+from monarch_sky.healing import local_tensor
+from monarch_sky.platform import ADVERTISE_ENV
 
 log = logging.getLogger(__name__)
 
 SCHEME = "monarch-sky-tcp://"
 STREAMS = 4  # connections per source: one stream leaves loopback and NICs under-used
-KINDS = ("auto", "tcp", "http")
 PACED_PIECE = 64 << 10  # a paced heal (test hook) sends this much at a time
 
 
@@ -249,17 +249,19 @@ class TCPHealTransport(CheckpointTransport[dict]):
         self.server.close()
 
 
+def receive_bytes(shard_bytes: list[int], copies: int) -> int:
+    """The buffer a rejoining rank maps for shards of `shard_bytes`: `copies` of each (a
+    parameter and AdamW's two moments: 3; DiLoCo adds its original parameters and outer
+    momentum: 5), each tensor aligned, plus room for the step counters."""
+    return copies * sum(shard_bytes) + 2 * heal_wire.ALIGN * copies * len(shard_bytes) + (1 << 16)
+
+
 def prepare_receive(transport: CheckpointTransport, params: list, copies: int) -> None:
-    """A rejoining rank maps its receive buffer while it builds, from its own shards' sizes:
-    `copies` of each (a parameter and AdamW's two moments: 3; DiLoCo adds its original
-    parameters and outer momentum: 5; the peer's optimizer state exists, this rank's not
-    yet), each tensor aligned, plus room for the step counters. A larger state still
-    arrives, into a buffer mapped then."""
+    """A rejoining rank maps its receive buffer while it builds, from its own shards' sizes
+    (the peer's optimizer state exists, this rank's not yet). A larger state still arrives,
+    into a buffer mapped then."""
     if isinstance(transport, TCPHealTransport):
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
-        tensors = copies * len(local)
-        nbytes = sum(copies * p.numel() * p.element_size() for p in local)
-        transport.prepare(nbytes + 2 * heal_wire.ALIGN * tensors + (1 << 16))
+        transport.prepare(receive_bytes([local_tensor(p).nbytes for p in params], copies))
 
 
 def step_stats(transport: CheckpointTransport) -> dict:
@@ -283,7 +285,7 @@ def install(manager, kind: str, mode: str, timeout_s: float) -> CheckpointTransp
     elif kind == "http":
         transport = HTTPTransport(timeout=timedelta(seconds=timeout_s), num_chunks=0)
     else:
-        raise ValueError(f"ft.heal_transport={kind!r}: use one of {', '.join(KINDS)}")
+        raise ValueError(f"ft.heal_transport={kind!r}: use auto, tcp or http")
     built = manager._checkpoint_transport  # torchft 0.2.0 offers no setter (see module docstring)
     manager._checkpoint_transport = transport
     threading.Thread(target=_close_http, args=(built,), name="close-torchft-http", daemon=True).start()

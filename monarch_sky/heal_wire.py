@@ -94,9 +94,8 @@ def pack(state: Any, step: int, into: torch.Tensor | None = None) -> Packed:
 
 def _view(buffer: torch.Tensor, desc: dict) -> torch.Tensor:
     dtype = getattr(torch, desc["dtype"])
-    numel = math.prod(desc["shape"])
     start = desc["offset"]
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(desc["shape"]) * dtype.itemsize
     return buffer[start:start + nbytes].view(dtype).view(desc["shape"])
 
 

@@ -23,7 +23,7 @@ import torch
 STATE_KEY = "monarch_sky"
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t._local_tensor if isinstance(t, DTensor) else t
@@ -59,7 +59,7 @@ class RankLocalState:
     def state_dict(self) -> dict[str, Any]:
         trainer = self._trainer
         return {
-            "model": {name: _local(p) for name, p in self._params.items()},
+            "model": {name: local_tensor(p) for name, p in self._params.items()},
             "optimizer": [self._optimizer_state(opt) for opt in self._optimizers()],
             "param_groups": [
                 [{k: v for k, v in group.items() if k != "params"} for group in opt.param_groups]
@@ -71,7 +71,7 @@ class RankLocalState:
 
     def _optimizer_state(self, opt) -> dict[str, dict[str, torch.Tensor]]:
         return {
-            self._names[id(param)]: {k: _local(v) if torch.is_tensor(v) else v for k, v in state.items()}
+            self._names[id(param)]: {k: local_tensor(v) if torch.is_tensor(v) else v for k, v in state.items()}
             for param, state in opt.state.items()
         }
 
@@ -79,13 +79,13 @@ class RankLocalState:
     def load(self, state: dict[str, Any]) -> None:
         trainer = self._trainer
         for name, value in state["model"].items():
-            _local(self._params[name]).copy_(value)
+            local_tensor(self._params[name]).copy_(value)
         for opt, opt_state in zip(self._optimizers(), state["optimizer"], strict=True):
             for name, values in opt_state.items():
                 target = opt.state[self._params[name]]
                 for key, value in values.items():
                     if torch.is_tensor(target.get(key)):
-                        _local(target[key]).copy_(value)
+                        local_tensor(target[key]).copy_(value)
                     else:
                         target[key] = value
         trainer.lr_schedulers.load_state_dict(state["lr_scheduler"])

@@ -5,6 +5,7 @@ them and checks every tensor bit for bit. Each answers its driver over a multipr
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import threading
@@ -27,22 +28,14 @@ def shapes(total: int) -> list[tuple[str, tuple[int, ...]]]:
 def tensor(index: int, shape) -> "torch.Tensor":
     import torch
 
-    return (torch.arange(_numel(shape), dtype=torch.float32) * 1e-3 + index).view(shape)
+    return (torch.arange(math.prod(shape), dtype=torch.float32) * 1e-3 + index).view(shape)
 
 
 def receive_bytes(total: int) -> int:
-    """What a rejoining rank maps for this state (`heal_transport.prepare_receive`'s rule)."""
-    from monarch_sky.heal_wire import ALIGN
+    """What a rejoining rank maps for this state (the rule `heal_transport.prepare_receive` uses)."""
+    from monarch_sky.heal_transport import receive_bytes as rule
 
-    tensors = [(n, 4) for _, shape in shapes(total) for n in [_numel(shape)]]
-    return sum(3 * n * size for n, size in tensors) + 2 * ALIGN * 3 * len(tensors) + (1 << 16)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    return rule([4 * math.prod(shape) for _, shape in shapes(total)], copies=3)
 
 
 def make_state(total: int) -> dict:
