@@ -22,7 +22,9 @@ from pathlib import Path
 
 CA_ENV, CA_KEY_ENV = "MONARCH_SKY_TLS_CA", "MONARCH_SKY_TLS_CA_KEY"
 HYPERACTOR_ENV = {"ca": "HYPERACTOR_TLS_CA", "cert": "HYPERACTOR_TLS_CERT", "key": "HYPERACTOR_TLS_KEY"}
-VALID = datetime.timedelta(days=30)
+# A run's certificates outlive any run: a recovery on day 40 of a long run must still connect.
+CA_VALID = datetime.timedelta(days=3 * 365)
+NODE_VALID = datetime.timedelta(days=365)
 
 
 def scheme() -> str:
@@ -46,7 +48,7 @@ def _name(common_name: str):
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def _builder(subject, issuer, public_key):
+def _builder(subject, issuer, public_key, valid: datetime.timedelta):
     from cryptography import x509
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -57,7 +59,7 @@ def _builder(subject, issuer, public_key):
         .public_key(public_key)
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + VALID)
+        .not_valid_after(now + valid)
     )
 
 
@@ -69,7 +71,7 @@ def new_ca(name: str = "monarch-sky run CA") -> tuple[str, str]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
-        _builder(_name(name), _name(name), key.public_key())
+        _builder(_name(name), _name(name), key.public_key(), CA_VALID)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(key, hashes.SHA256())
     )
@@ -89,12 +91,20 @@ def issue(ca_pem: str, ca_key_pem: str, hosts: list[str]) -> tuple[str, str]:
     names = [_san(h) for h in dict.fromkeys(hosts)]
     usage = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
     cert = (
-        _builder(_name(hosts[0]), ca.subject, key.public_key())
+        _builder(_name(hosts[0]), ca.subject, key.public_key(), min(NODE_VALID, _left(ca)))
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .add_extension(x509.ExtendedKeyUsage(usage), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
     return _pem(cert, key)
+
+
+def _left(ca) -> datetime.timedelta:
+    """How long the CA stays valid: a node certificate cannot outlive it."""
+    left = ca.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc)
+    if left <= datetime.timedelta(0):
+        raise ValueError(f"the run CA expired on {ca.not_valid_after_utc:%Y-%m-%d}; make a new one with `monarch-sky tls-ca`")
+    return left
 
 
 def _san(host: str):
@@ -126,13 +136,23 @@ def node_env(out_dir: str, hosts: list[str], environ=os.environ) -> dict[str, st
     except ValueError as e:
         raise ValueError(f"{CA_ENV}/{CA_KEY_ENV} are neither PEM nor `monarch-sky tls-ca` output: {e}") from None
     cert_pem, key_pem = issue(ca_pem, ca_key_pem, hosts)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    files = {"ca": ca_pem, "cert": cert_pem, "key": key_pem}
+    out = _private_dir(Path(out_dir))
     env = {}
-    for what, text in files.items():
+    for what, text in {"ca": ca_pem, "cert": cert_pem, "key": key_pem}.items():
         path = out / f"{what}.pem"
-        path.touch(mode=0o600)
-        path.write_text(text)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(fd, 0o600)  # a file that existed keeps its mode through O_CREAT
+            f.write(text)
         env[HYPERACTOR_ENV[what]] = str(path)
     return env
+
+
+def _private_dir(out: Path) -> Path:
+    """`out`, made if missing, refused unless it is this user's own directory; mode 0700."""
+    out.mkdir(parents=True, exist_ok=True, mode=0o700)
+    st = out.lstat()
+    if out.is_symlink() or st.st_uid != os.getuid():
+        raise ValueError(f"{out} is a link or belongs to another user: certificates are not written there")
+    out.chmod(0o700)
+    return out

@@ -57,8 +57,11 @@ if [ -z "${MONARCH_SKY_PY:-}" ] && [ -x "$HOME/monarch-sky-venv/bin/python" ]; t
   MONARCH_SKY_PY=$HOME/monarch-sky-venv/bin/python
 fi
 PY=${MONARCH_SKY_PY:-python3}
-STATE=${MONARCH_SKY_STATE:-/tmp/monarch-sky}
-mkdir -p "$STATE"
+# Per user and private: on a shared node another user must not plant files (or a link) here.
+STATE=${MONARCH_SKY_STATE:-/tmp/monarch-sky-$(id -u)}
+mkdir -p -m 700 "$STATE"
+{ [ -O "$STATE" ] && [ ! -L "$STATE" ]; } || die "$STATE belongs to another user or is a link; set MONARCH_SKY_STATE"
+chmod 700 "$STATE"
 
 mapfile -t IPS < <(printf '%s\n' "$SKYPILOT_NODE_IPS" | sed '/^[[:space:]]*$/d')
 [ "${#IPS[@]}" -eq "$NODES" ] || die "SKYPILOT_NODE_IPS lists ${#IPS[@]} addresses but SKYPILOT_NUM_NODES=$NODES"

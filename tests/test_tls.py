@@ -102,3 +102,33 @@ def test_only_holders_of_the_run_certificate_can_attach_to_a_worker(tmp_path, tl
 def test_a_node_certificate_needs_the_run_ca(tmp_path):
     with pytest.raises(ValueError, match=tls.CA_KEY_ENV):
         tls.node_env(str(tmp_path / "n"), HOSTS, {tls.CA_ENV: "x"})
+
+
+def test_certificates_last_a_long_run_and_their_files_are_private(tmp_path):
+    import datetime
+    import os
+    import stat
+
+    from cryptography import x509
+
+    out = tmp_path / "node"
+    out.mkdir(mode=0o755)
+    (out / "key.pem").write_text("old")
+    (out / "key.pem").chmod(0o644)  # left readable by an earlier run
+    env = run_certificate(tmp_path, "node")
+    cert = x509.load_pem_x509_certificate(open(env["HYPERACTOR_TLS_CERT"], "rb").read())
+    days = (cert.not_valid_after_utc - datetime.datetime.now(datetime.timezone.utc)).days
+    assert days >= 300, f"a node certificate valid for {days} days fails a long run's later recoveries"
+    for path in env.values():
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600, path
+    assert stat.S_IMODE(os.stat(out).st_mode) == 0o700
+
+
+def test_certificates_are_never_written_through_a_link(tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "planted").symlink_to(elsewhere)
+    ca, ca_key = tls.new_ca("run CA")
+    with pytest.raises(ValueError, match="link"):
+        tls.node_env(str(tmp_path / "planted"), HOSTS, {tls.CA_ENV: ca, tls.CA_KEY_ENV: ca_key})
+    assert list(elsewhere.iterdir()) == []
