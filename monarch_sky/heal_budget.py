@@ -16,8 +16,9 @@ The timeouts a heal runs under (torchft 0.2.0, `torchft/manager.py`):
   past it). A heal that keeps moving finishes; one that stalls for this long fails.
 - TORCHFT_QUORUM_TIMEOUT_SEC (`ft.quorum_timeout_s`) bounds only the quorum RPC (:649);
   a quorum may wait on a peer group still in a step that receives a heal.
-- `ft.process_group_timeout_ms` bounds each collective. It stays short: it is also how long a
-  collective waits on a dead peer.
+- `ft.process_group_timeout_ms` bounds each collective. It stays short (raised only to move the
+  largest tensor shard at the transport's rate): it is also how long a collective waits on a
+  dead peer.
 
 Rates (bytes/s, low end of what was measured; `make bench-heal` measures them here):
 - `tcp` (the default): the serving rank snapshots into host memory and serves from there;
@@ -142,6 +143,9 @@ def describe(
     }
 
 
+APPLIED_FT = ("timeout_s", "quorum_timeout_s", "join_timeout_ms", "process_group_timeout_ms")
+
+
 def apply(cfg, platform_kind: str) -> dict:
     """Raise the timeouts a heal runs under to what this job's model needs at its transport's
     rate (never lower them), and return the budget for the run record."""
@@ -149,6 +153,7 @@ def apply(cfg, platform_kind: str) -> dict:
     cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])
     cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, info["quorum_timeout_s"])
     cfg.timeouts.step_s = max(cfg.timeouts.step_s, info["step_s"])
+    cfg.ft.process_group_timeout_ms = max(cfg.ft.process_group_timeout_ms, info["process_group_timeout_ms"])
     if cfg.checkpoint.every_min > 0:
         # The other groups wait for the saving one at their next quorum: the lighthouse must not
         # form a quorum without it (it would then heal from a peer), nor the wait time out.
@@ -157,4 +162,6 @@ def apply(cfg, platform_kind: str) -> dict:
         cfg.ft.join_timeout_ms = max(cfg.ft.join_timeout_ms, math.ceil(SAFETY * pause_s) * 1000)
         cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, math.ceil(SAFETY * pause_s))
         info["join_timeout_ms"] = cfg.ft.join_timeout_ms
+    # What the run goes by (run_started recorded the config as given, before this).
+    info["applied"] = {f"ft.{k}": cfg.ft[k] for k in APPLIED_FT} | {"timeouts.step_s": cfg.timeouts.step_s}
     return info

@@ -123,6 +123,9 @@ def test_a_big_job_gets_its_heal_timeouts_raised_and_a_tiny_one_keeps_its_own():
     assert budget["transport"] == "tcp"
     assert big.ft.timeout_s == budget["ft_timeout_s"] > 60
     assert big.ft.quorum_timeout_s == budget["quorum_timeout_s"] < big.timeouts.step_s == budget["step_s"]
+    assert big.ft.process_group_timeout_ms == budget["process_group_timeout_ms"] >= 5000
+    assert budget["applied"]["ft.process_group_timeout_ms"] == big.ft.process_group_timeout_ms
+    assert budget["applied"]["timeouts.step_s"] == big.timeouts.step_s
 
 
 def test_a_job_that_heals_over_http_is_budgeted_at_https_rate():
