@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from monarch_sky.faults import PROCESS_KINDS, Fault
@@ -28,7 +28,8 @@ class FaultRecord:
     resumed_at: float | None = None  # a survivor committed a step begun after injection
     rejoined_at: float | None = None  # the respawned group committed a step with the others
     recovered_from: str | None = None  # "peer": weights from another group; "in place": no respawn
-    steps_while_down: set[int] = field(default_factory=set)  # committed without the group
+    steps_while_down: int = 0  # committed without the group
+    last_down_step: int = 0  # (a count, not a set of steps: it never grows with a long outage)
     heal: HealInfo | None = None  # what the respawned group received from a peer
     # The longest survivor step beyond the median, from the step that served the heal to the
     # first one issued after the rejoin.
@@ -48,7 +49,7 @@ class FaultRecord:
             "survivors_resumed_s": self.seconds(self.resumed_at),
             "rejoined_s": self.seconds(self.rejoined_at),
             "recovered_from": self.recovered_from,
-            "steps_while_down": len(self.steps_while_down),
+            "steps_while_down": self.steps_while_down,
             "heal_bytes": self.heal.nbytes if self.heal else 0,
             "heal_step_s": self.heal.step_s if self.heal else None,
             "heal_s": self.heal.transfer_s if self.heal else None,
@@ -123,8 +124,9 @@ class FaultInjector:
         for rec in self.records:
             if rec.fault.replica == r.replica or issued < rec.injected_at:
                 continue
-            if rec.rejoined_at is None and r.participants < replicas:
-                rec.steps_while_down.add(r.step)
+            if rec.rejoined_at is None and r.participants < replicas and r.step > rec.last_down_step:
+                rec.steps_while_down += 1  # each step once, whichever survivor reports it first
+                rec.last_down_step = r.step
             # The rejoiner's result for the same step may have been handled first.
             if rec.resumed_at is None:
                 rec.resumed_at = now

@@ -44,7 +44,8 @@ class StepLedger:
         self.tracker = tracker
         self.display = display
         self.counts = counts
-        self.steps: dict[int, StepStats] = {}
+        self.steps: dict[int, StepStats] = {}  # the steps not yet logged, and the last one logged
+        self.losses: dict[str, float | None] = {"first": None, "last": None}  # of the logged steps
         self.run_step = 0  # the highest step any group committed
         self.logged_step = 0
         self.start_time = time.monotonic()
@@ -74,12 +75,18 @@ class StepLedger:
             if stats is not None:
                 self._log(step, stats)
         self.logged_step = max(self.logged_step, last)
+        # Bounded at any length of run: a logged step is kept only as the next one's "previous".
+        for step in [s for s in self.steps if s < self.logged_step]:
+            del self.steps[step]
 
     def _log(self, step: int, stats: StepStats) -> None:
         prev = self.steps.get(step - 1)
         elapsed = stats.first_seen - (prev.first_seen if prev else self.start_time)
         tps = stats.tokens / elapsed if elapsed > 0 else 0.0
         loss = stats.loss()
+        if loss is not None:
+            self.losses["first"] = self.losses["first"] if self.losses["first"] is not None else loss
+            self.losses["last"] = loss
         metrics = {"tokens_per_s": tps, "quorum_size": stats.quorum, "participating_replicas": len(stats.replicas)}
         if loss is not None:
             metrics["loss"] = loss
@@ -93,7 +100,5 @@ class StepLedger:
         return statistics.median(self._recent) if self._recent else self.step_seconds
 
     def first_and_last_loss(self) -> dict[str, float | None]:
-        with_loss = [s for s in sorted(self.steps) if self.steps[s].losses]
-        if not with_loss:
-            return {"first": None, "last": None}
-        return {"first": self.steps[with_loss[0]].loss(), "last": self.steps[with_loss[-1]].loss()}
+        """Of the logged steps: call after `flush(final=True)`."""
+        return dict(self.losses)
