@@ -15,10 +15,10 @@ class AddressListHosts(HostProvider):
     """Workers at fixed addresses, already running (started by the node bootstrap)."""
 
     def __init__(self, addresses: list[str], controller_ip: str, wait_s: float = 300.0):
+        super().__init__()
         self.hosts = [parse_address(a, name=f"node-{i}") for i, a in enumerate(addresses)]
         self._controller_ip = controller_ip
         self.wait_s = wait_s
-        self._spares: list[Host] = []
         self._closed = threading.Event()
 
     def start(self, count: int) -> list[Host]:
@@ -26,17 +26,16 @@ class AddressListHosts(HostProvider):
             raise HostError(f"{count} replica groups need {count} hosts, but only {len(self.hosts)} addresses were given")
         for host in self.hosts:
             self._wait_up(host)
-        self._spares = self.hosts[count:]
+        with self.lock:
+            self.spares = self.hosts[count:]
         return self.hosts[:count]
 
-    def replace(self, lost: Host) -> Host:
-        """A spare if there is one, else the lost node's worker once it is back: on a port
+    def provision(self, lost: Host) -> Host:
+        """No spare is left: the lost node's worker once it is back, on a port
         COMEBACK_PORT_STEP above the lost one (sky/bootstrap.sh moves a restarted worker
         there), since Monarch 0.7.0 never attaches a controller to a new worker at the
         address of one that died under it. The lost address itself comes last: a job group's
         relaunched task keeps its name and port on a new pod (its attach is untested)."""
-        if self._spares:
-            return self._spares.pop(0)
         comebacks = [
             Host(name=f"{lost.name}-p{port}", ip=lost.ip, port=port)
             for port in range(lost.port + COMEBACK_PORT_STEP, 65536, COMEBACK_PORT_STEP)[:COMEBACK_PORTS]

@@ -136,7 +136,7 @@ class Controller:
             group_hosts = hosts[index * per:(index + 1) * per]
             self.slots.append(Slot(ctx, index, group_hosts, await attach_hosts(ctx, group_hosts)))
         for slot in self.slots:
-            ctx.in_background(slot.start_agent())
+            ctx.in_background(slot.gens.start_agent())
         ctx.record.event("hosts_ready", hosts=[h.address for h in hosts])
 
     async def _warm_standbys(self) -> None:
@@ -203,7 +203,7 @@ class Controller:
 
     async def _check(self, slot: Slot) -> None:
         group, hosts = slot.group, slot.hosts
-        probes = await asyncio.gather(*(off_loop(self.ctx.provider.alive, h, DETECT_EVERY_S * 2) for h in hosts))
+        probes = await asyncio.gather(*(self.ctx.provider.probe(h, DETECT_EVERY_S * 2) for h in hosts))
         for host, up in zip(hosts, probes):
             if self.watchdog.observe(host.address, up, time.monotonic()):
                 self.watchdog.forget(host.address)

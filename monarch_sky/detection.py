@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 
 from monarch.actor import Actor, endpoint
 
@@ -94,3 +95,16 @@ class HostWatchdog:
 
     def forget(self, host: str) -> None:
         self._failing.pop(host, None)
+
+
+async def first_dead_host(provider, hosts: list, dead_after_s: float, every_s: float):
+    """Probe `hosts` until one counts as dead by `HostWatchdog`'s rule; returns it. Watches a
+    group whose generation is being built, which the controller's watchdog does not."""
+    watchdog = HostWatchdog(dead_after_s)
+    while True:
+        probes = await asyncio.gather(*(provider.probe(h, 2 * every_s) for h in hosts))
+        now = time.monotonic()
+        for host, up in zip(hosts, probes):
+            if watchdog.observe(host.address, up, now):
+                return host
+        await asyncio.sleep(every_s)

@@ -15,9 +15,14 @@ import time
 from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
+from monarch_sky.detection import first_dead_host, kill_on_hosts, start_host_agent
 from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import ReplicaGroup
 from monarch_sky.supervision import describe_error, resolved
+
+
+PROBE_EVERY_S = 0.5  # how often a group's hosts are probed while a generation is built
+AGENT_TRIES = 3
 
 
 class Generations:
@@ -28,19 +33,27 @@ class Generations:
         self.host_mesh = host_mesh  # one HostMesh over all of `hosts`
         self.spawned = 0  # generations spawned so far (standbys included)
         self.standby: asyncio.Task | None = None  # resolves to a warmed next generation
+        self.orders: dict[Host, asyncio.Future] = {}  # lost host -> the request for its replacement
+        self.agent = None  # a HostAgent on each of the group's hosts, once they are up
 
     async def replace_hosts(self, lost: list[Host]) -> None:
         """Ask the provider for a host in place of each lost one and attach one mesh over the
         group's hosts, the kept ones too; raises HostError when they do not all come within
-        `hosts.provision_timeout_s` (or the provider fails)."""
+        `hosts.provision_timeout_s` (or the provider fails). A host that came is kept for
+        the next try (`orders`), so a retry never asks for a second one."""
         ctx, index = self.ctx, self.index
         timeout_s = ctx.cfg.hosts.provision_timeout_s
         for host in lost:
+            if host in self.orders:
+                ctx.display.line(f"[replica {index}] still waiting for a host in place of {host.name}")
+                continue
             ctx.record.event("host_lost", replica=index, host=host.address)
             ctx.display.line(f"[replica {index}] host {host.name} ({host.address}) is gone; asking for a replacement")
         began = time.monotonic()
-        try:  # one at a time: a provider's bookkeeping need not be thread-safe
-            new = await asyncio.wait_for(off_loop(lambda: [ctx.provider.replace(h) for h in lost]), timeout_s)
+        try:
+            orders = [await self._order(h) for h in lost]
+            # shield: a request that outlasts this wait stays ordered for the next try
+            new = await asyncio.wait_for(asyncio.shield(asyncio.gather(*orders)), timeout_s)
             hosts = [new[lost.index(h)] if h in lost else h for h in self.hosts]
             mesh = await attach_hosts(ctx, hosts)
         except Exception as e:
@@ -48,11 +61,65 @@ class Generations:
             ctx.record.event("host_replacement_failed", replica=index, reason=reason)
             names = ", ".join(h.name for h in lost)
             raise HostError(f"host {names} was lost and no replacement came: {reason}") from None
-        self.hosts, self.host_mesh = hosts, mesh
+        for host in lost:
+            self.orders.pop(host, None)
+        self.hosts, self.host_mesh, self.agent = hosts, mesh, None
+        self.ctx.in_background(self.start_agent())
         seconds = round(time.monotonic() - began, 3)
         for host in new:
             ctx.record.event("host_replaced", replica=index, host=host.address, seconds=seconds)
             ctx.display.line(f"[replica {index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
+
+    async def _order(self, lost: Host) -> asyncio.Future:
+        """The request for a host in place of `lost`: the one already out, unless it failed
+        or brought a host that died since; then a new one."""
+        task = self.orders.get(lost)
+        if task is not None and task.done():
+            failed = task.cancelled() or task.exception() is not None
+            if failed or not await off_loop(self.ctx.provider.alive, task.result()):
+                task = None
+        if task is None:
+            task = self.orders[lost] = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
+            self.ctx.background.add(task)  # cancelled at shutdown; a late host is given back below
+            task.add_done_callback(self.ctx.background.discard)
+        return task
+
+    def give_back_hosts(self) -> None:
+        """The group is given up: every host ordered for it, now or when it comes, goes back to
+        the provider as a spare instead of idling, billed, until the run ends."""
+        orders, self.orders = list(self.orders.values()), {}
+        for task in orders:
+            task.add_done_callback(self._give_back)
+
+    def _give_back(self, task: asyncio.Future) -> None:
+        if not task.cancelled() and task.exception() is None:
+            self.ctx.provider.give_back(task.result())
+            self.ctx.record.event("host_given_back", replica=self.index, host=task.result().address)
+
+    async def start_agent(self) -> None:
+        """A HostAgent on each of the group's hosts; retried, since without one the group's
+        exits go unseen and its old ranks cannot be killed."""
+        mesh = self.host_mesh
+        for attempt in range(1, AGENT_TRIES + 1):
+            try:
+                agent = await start_host_agent(mesh, f"agent{self.index}x{self.spawned}a{attempt}", self.ctx.cfg.timeouts.spawn_s)
+            except Exception as e:
+                self.ctx.record.event("host_agent_failed", replica=self.index, attempt=attempt, error=describe_error(e))
+                if attempt == AGENT_TRIES or self.host_mesh is not mesh:
+                    raise
+                await asyncio.sleep(attempt)
+                continue
+            if self.host_mesh is mesh:  # still this group's hosts
+                self.agent = agent
+            return
+
+    async def fence_lost(self, lost: list[Host]) -> None:
+        """Cut off the group's dead hosts, and the standby that shared them."""
+        standby = self.abandon_standby()
+        if standby is not None and self.agent is not None:  # its processes on the kept hosts
+            kill_on_hosts(self.agent, standby.pids, skip=tuple(self.hosts.index(h) for h in lost))
+        for host in lost:
+            await self.fence(host)
 
     async def lost_hosts(self) -> list[Host]:
         """The group's hosts whose workers no longer answer."""
@@ -120,6 +187,40 @@ class Generations:
     def refill_standby(self) -> None:
         if self.ctx.cfg.ft.standby and not self.ctx.finishing and self.standby is None:
             self.standby = asyncio.ensure_future(self.spawn())
+
+    async def build(self, rejoining: bool, data: tuple) -> tuple[ReplicaGroup, bool, dict]:
+        """A generation set up to train (from the warm standby if it is alive) and whether it
+        was warm, and its setup's answer; raises if it fails, HostError as soon as one of the
+        group's hosts dies meanwhile (not after `timeouts.spawn_s`)."""
+        build = asyncio.ensure_future(self._build(rejoining, data))
+        watch = asyncio.ensure_future(
+            first_dead_host(self.ctx.provider, self.hosts, self.ctx.cfg.hosts.dead_after_s, PROBE_EVERY_S))
+        try:
+            await asyncio.wait({build, watch}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            build.cancel()
+            raise
+        finally:
+            watch.cancel()
+        if build.done():
+            return build.result()
+        build.cancel()  # its cleanup (bounded by timeouts.stop_s) goes on without us
+        self.ctx.background.add(build)
+        build.add_done_callback(self.ctx.background.discard)
+        host = watch.result()
+        raise HostError(f"host {host.name} ({host.address}) died while generation {self.spawned - 1} was being built")
+
+    async def _build(self, rejoining: bool, data: tuple) -> tuple[ReplicaGroup, bool, dict]:
+        group = None
+        try:
+            group, warm = await self.take()
+            return group, warm, await group.setup(rejoining, data, self.ctx.cfg.timeouts.spawn_s)
+        except BaseException:
+            if group is not None and await self.lost_hosts():
+                self.abandon(group)  # stopping it there would hang
+            elif group is not None:
+                await self.discard(group)
+            raise
 
     async def take(self) -> tuple[ReplicaGroup, bool]:
         """The warm standby if it is alive, else a freshly spawned generation."""

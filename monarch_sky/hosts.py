@@ -21,6 +21,7 @@ Providers:
 from __future__ import annotations
 
 import abc
+import asyncio
 import os
 import threading
 import socket
@@ -51,7 +52,15 @@ class HostError(RuntimeError):
 
 
 class HostProvider(abc.ABC):
-    """Gives the controller hosts; the controller never asks how they were made."""
+    """Gives the controller hosts; the controller never asks how they were made.
+
+    Several groups' recoveries call a provider at once, each from its own thread: every
+    provider keeps its bookkeeping under `self.lock`.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spares: list[Host] = []  # hosts up and in no group, handed out before new ones
 
     @abc.abstractmethod
     def start(self, count: int) -> list[Host]:
@@ -65,13 +74,29 @@ class HostProvider(abc.ABC):
     def controller_ip(self) -> str:
         """The address the hosts reach the controller (and the lighthouse) on."""
 
-    @abc.abstractmethod
     def replace(self, lost: Host) -> Host:
-        """A new host, worker listening, for the group that ran on `lost`.
+        """A host, worker listening, for the group that ran on `lost`: a live spare if there
+        is one, else a new one (`provision`). Blocks while capacity is provisioned; raises
+        HostError when there is none. The controller bounds the wait with
+        `hosts.provision_timeout_s`."""
+        while (spare := self._take_spare()) is not None:
+            if self.alive(spare):
+                return spare
+        return self.provision(lost)
 
-        Blocks while capacity is provisioned; raises HostError when there is none. The
-        controller bounds the wait with `hosts.provision_timeout_s`.
-        """
+    def give_back(self, host: Host) -> None:
+        """A host obtained from `replace` that no group took (its group was given up, or
+        the run stopped waiting for it): the next `replace` hands it out."""
+        with self.lock:
+            self.spares.append(host)
+
+    def _take_spare(self) -> Host | None:
+        with self.lock:
+            return self.spares.pop(0) if self.spares else None
+
+    @abc.abstractmethod
+    def provision(self, lost: Host) -> Host:
+        """A new host for the group that ran on `lost` (no spare was left)."""
 
     def kill(self, host: Host) -> None:
         """Take a host down abruptly (fault injection)."""
@@ -80,6 +105,15 @@ class HostProvider(abc.ABC):
     def alive(self, host: Host, timeout_s: float = 2.0) -> bool:
         """Whether the host's worker still accepts connections."""
         return reachable(host.ip, host.port, timeout_s)
+
+    async def probe(self, host: Host, timeout_s: float) -> bool:
+        """`alive` on the event loop, no thread: the watchdog probes every host twice a second."""
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host.ip, host.port), timeout_s)
+        except (OSError, asyncio.TimeoutError):
+            return False
+        writer.close()
+        return True
 
 
 class LocalHosts(HostProvider):
@@ -90,6 +124,7 @@ class LocalHosts(HostProvider):
         provision_delay_s: float = 3.0,
         max_replacements: int = 3,
     ):
+        super().__init__()
         self.run_id = run_id
         self.log_dir = log_dir
         self.provision_delay_s = provision_delay_s
@@ -100,52 +135,60 @@ class LocalHosts(HostProvider):
         self._closed = threading.Event()
 
     def start(self, count: int) -> list[Host]:
-        hosts = [self._launch() for _ in range(count)]
-        for host in hosts:
-            _wait_listening(host, self.procs[host.name], timeout_s=60)
-        return hosts
+        launched = [self._launch() for _ in range(count)]
+        for host, proc in launched:
+            _wait_listening(host, proc, timeout_s=60)
+        return [host for host, _ in launched]
 
-    def replace(self, lost: Host) -> Host:
-        if self._replacements >= self.max_replacements:
-            raise HostError(f"no capacity: all {self.max_replacements} replacement hosts used (hosts.max_replacements)")
-        self._replacements += 1
+    def provision(self, lost: Host) -> Host:
+        with self.lock:
+            if self._replacements >= self.max_replacements:
+                raise HostError(f"no capacity: all {self.max_replacements} replacement hosts used (hosts.max_replacements)")
+            self._replacements += 1
         if self._closed.wait(self.provision_delay_s):  # provisioning, as a cloud would
             raise HostError("the run is shutting down")
-        host = self._launch()
-        _wait_listening(host, self.procs[host.name], timeout_s=60)
+        host, proc = self._launch()
+        _wait_listening(host, proc, timeout_s=60)
         return host
 
-    def _launch(self) -> Host:
-        name = f"local-{self._launched}"
-        self._launched += 1
-        host = Host(name=name, ip="127.0.0.1", port=free_port())
-        env = {**os.environ, RUN_ID_ENV: self.run_id}
-        log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else subprocess.DEVNULL
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "monarch_sky", "worker", "--address", host.address],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            # Its own process group, but the controller's session: separate sessions would
-            # put each host in its own scheduler autogroup, and on a shared CPU a recovering
-            # host would then get only its 1/N share however idle its priority allows.
-            **({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}),
-        )
-        if log is not subprocess.DEVNULL:
-            log.close()
-        return host
+    def _launch(self) -> tuple[Host, subprocess.Popen]:
+        with self.lock:  # never after shutdown has collected the workers to kill
+            if self._closed.is_set():
+                raise HostError("the run is shutting down")
+            name = f"local-{self._launched}"
+            self._launched += 1
+            host = Host(name=name, ip="127.0.0.1", port=free_port())
+            env = {**os.environ, RUN_ID_ENV: self.run_id}
+            log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else subprocess.DEVNULL
+            proc = self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "monarch_sky", "worker", "--address", host.address],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                # Its own process group, but the controller's session: separate sessions would
+                # put each host in its own scheduler autogroup, and on a shared CPU a recovering
+                # host would then get only its 1/N share however idle its priority allows.
+                **({"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}),
+            )
+            if log is not subprocess.DEVNULL:
+                log.close()
+        return host, proc
 
     def controller_ip(self) -> str:
         return "127.0.0.1"
 
     def kill(self, host: Host) -> None:
-        _kill_tree(self.procs[host.name])
+        with self.lock:
+            proc = self.procs.get(host.name)
+        if proc is not None:
+            _kill_tree(proc)
 
     def shutdown(self) -> None:
-        self._closed.set()
-        for proc in self.procs.values():
+        with self.lock:
+            self._closed.set()
+            procs, self.procs = list(self.procs.values()), {}
+        for proc in procs:
             _kill_tree(proc)
-        self.procs.clear()
         reap_run(self.run_id)
 
 

@@ -42,16 +42,17 @@ class SkyPilotHosts(AddressListHosts):
         self.sky = sky
         self.launched: list[str] = []
 
-    def replace(self, lost: Host) -> Host:
+    def provision(self, lost: Host) -> Host:
         import tempfile
 
         import yaml
 
-        cluster = f"{self.cluster_prefix}-r{len(self.launched)}"
+        with self.lock:  # two groups lost in one tick get two clusters
+            cluster = f"{self.cluster_prefix}-r{len(self.launched)}"
+            self.launched.append(cluster)
         config = replacement_task(load_recipe(self.recipe_yaml), cluster, self.port, self.cluster_info)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(config, f)
-        self.launched.append(cluster)
         # The run's CA and the hub token travel from this node's environment, never through the YAML file.
         secrets = [arg for name in FORWARDED_SECRETS if os.environ.get(name) for arg in ("--secret", name)]
         self._sky("launch", "-y", "--detach-run", "-c", cluster, *secrets, f.name)
@@ -64,7 +65,9 @@ class SkyPilotHosts(AddressListHosts):
         """Take down every replacement cluster; raises HostError naming any left up."""
         super().shutdown()
         failed = []
-        for cluster in self.launched:
+        with self.lock:
+            launched = list(self.launched)
+        for cluster in launched:
             try:
                 self._sky("down", "-y", cluster, timeout_s=600, cancellable=False)
             except HostError as e:

@@ -20,9 +20,9 @@ from typing import Any
 
 from monarch_sky import rejoin
 from monarch_sky.context import RunContext
-from monarch_sky.detection import kill_on_hosts, start_host_agent
+from monarch_sky.detection import kill_on_hosts
 from monarch_sky.generations import Generations
-from monarch_sky.hosts import Host
+from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import GroupFailed, ReplicaGroup
 from monarch_sky.step_result import HealInfo, StepResult
 from monarch_sky.supervision import describe_error
@@ -42,7 +42,6 @@ class Slot:
         self.ctx = ctx
         self.index = index
         self.gens = Generations(ctx, index, hosts, host_mesh)
-        self.agent = None  # a HostAgent on each of the group's hosts, once they are up
         self.group: ReplicaGroup | None = None  # the generation that trains
         self.state = SlotState.STARTING
         self.restarts = 0
@@ -59,26 +58,28 @@ class Slot:
         return self.gens.hosts
 
     @property
+    def agent(self):
+        return self.gens.agent
+
+    @property
     def active(self) -> bool:
         return self.state in (SlotState.TRAINING, SlotState.DONE)
 
     # ---- bring-up ----------------------------------------------------------------
 
     async def activate(self, rejoining: bool) -> bool:
-        """Bring up a new generation that trains; retries up to ft.max_restarts."""
+        """Bring up a new generation that trains; retries up to ft.max_restarts, on new
+        hosts in place of any that died meanwhile."""
         while True:
-            began, group = time.monotonic(), None
+            began = time.monotonic()
             try:
-                group, warm = await self.gens.take()
-                data = self.data_states if rejoining else ()
-                info = await group.setup(rejoining, data, self.ctx.cfg.timeouts.spawn_s)
+                group, warm, info = await self.gens.build(rejoining, self.data_states if rejoining else ())
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
-                if group is not None:
-                    await self.gens.discard(group)
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
                 if not self.may_restart(f"could not start: {reason}"):
                     return False
+                await self._move_off_dead_hosts()
                 continue
             refused = self.ctx.refuse_platform(info["platform"])
             if refused:  # the host will not change: no restarts
@@ -111,6 +112,7 @@ class Slot:
     def lose(self, reason: str) -> None:
         self.state = SlotState.LOST
         self.group = None
+        self.gens.give_back_hosts()
         self.ctx.lost.append({"replica": self.index, "reason": reason})
         self.ctx.record.event("replica_lost", replica=self.index, reason=reason)
         self.ctx.display.line(f"[replica {self.index}] lost: {reason}; training continues on the others")
@@ -273,18 +275,24 @@ class Slot:
                                   seconds=round(time.monotonic() - began, 3))
             return lost
         self.gens.abandon(group)
-        standby = self.gens.abandon_standby()
-        if standby is not None and self.agent is not None:  # its processes on the kept hosts
-            kill_on_hosts(self.agent, standby.pids, skip=tuple(self.hosts.index(h) for h in lost))
-        for host in lost:
-            await self.gens.fence(host)
+        await self.gens.fence_lost(lost)
         return lost
+
+    async def _move_off_dead_hosts(self) -> None:
+        """After a failed start: fence and replace whichever of the group's hosts died. A
+        replacement that fails is left to the next try, whose build fails at the dead host."""
+        lost = await self.gens.lost_hosts()
+        if not lost:
+            return
+        await self.gens.fence_lost(lost)
+        try:
+            await self.gens.replace_hosts(lost)
+        except HostError as e:
+            self.last_failure = describe_error(e)
 
     async def _come_back(self, lost: list[Host]) -> None:
         if lost:  # raises HostError (a restart of this slot) if no host comes
             await self.gens.replace_hosts(lost)
-            self.agent = None
-            self.ctx.in_background(self.start_agent())
         await rejoin.wait_for_survivors_commit(self.ctx, self)
         if not await self.activate(rejoining=True):
             return
@@ -301,13 +309,7 @@ class Slot:
             self.gens.forget(group)
             await group.close(self.ctx.cfg.timeouts.stop_s)
 
-    # ---- host agent, end of run ----------------------------------------------------
-
-    async def start_agent(self) -> None:
-        mesh = self.gens.host_mesh
-        agent = await start_host_agent(mesh, f"agent{self.index}x{self.gens.spawned}", self.ctx.cfg.timeouts.spawn_s)
-        if self.gens.host_mesh is mesh:  # still this slot's hosts
-            self.agent = agent
+    # ---- end of run ----------------------------------------------------
 
     async def final_state(self) -> dict[str, Any]:
         return await self.group.final_state(self.ctx.cfg.timeouts.stop_s)

@@ -7,6 +7,7 @@ KIND instead of the one the config names; everything else is the real thing.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 
 from monarch_sky.hosts import Host, LocalHosts
@@ -32,7 +33,22 @@ class NeverAnswersHosts(LocalHosts):
         raise AssertionError("unreachable")
 
 
-PROVIDERS = {"fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts}
+class DiesOnArrivalHosts(LocalHosts):
+    """The first replacement host dies a few seconds after it is handed out: while the
+    group's new generation is being built on it."""
+
+    DIES_AFTER_S = 6.0
+    handed_out = 0
+
+    def provision(self, lost: Host) -> Host:
+        host = super().provision(lost)
+        self.handed_out += 1
+        if self.handed_out == 1:
+            threading.Timer(self.DIES_AFTER_S, self.kill, [host]).start()
+        return host
+
+
+PROVIDERS = {"fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts}
 
 
 def main(kind: str, overrides: list[str]) -> int:

@@ -39,3 +39,27 @@ def test_two_quick_failures_inside_the_window_are_not_enough():
     assert not watchdog.observe("h", False, now=10.0)
     assert not watchdog.observe("h", False, now=10.1)
     assert watchdog.observe("h", False, now=12.0)
+
+
+def test_a_host_dying_under_a_build_is_named_by_the_build_watch():
+    import asyncio
+    import time
+
+    from monarch_sky.detection import first_dead_host
+    from monarch_sky.hosts import Host, LocalHosts
+
+    listeners = [socket.socket() for _ in range(2)]
+    for s in listeners:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+    hosts = [Host(f"h{i}", "127.0.0.1", s.getsockname()[1]) for i, s in enumerate(listeners)]
+    provider = LocalHosts("unit-watch")
+
+    async def watch():
+        asyncio.get_running_loop().call_later(0.5, listeners[1].close)
+        return await asyncio.wait_for(first_dead_host(provider, hosts, dead_after_s=1.0, every_s=0.2), 10)
+
+    began = time.monotonic()
+    assert asyncio.run(watch()) == hosts[1]
+    assert time.monotonic() - began >= 1.5, "declared dead only after failing for dead_after_s"
+    listeners[0].close()

@@ -229,3 +229,30 @@ def test_a_provider_call_that_never_returns_does_not_hold_the_run(run_dir):
     assert lost["replica"] == 1 and "finished before it rejoined" in lost["reason"]
     assert run.summary["committed_steps"] == 30
     assert run.leftovers == [], run.leftovers
+
+
+def test_a_replacement_host_that_dies_during_the_build_is_replaced_in_turn(run_dir):
+    # The first replacement dies while the group's new generation spawns on it: the build
+    # sees it (it does not wait out timeouts.spawn_s) and the group moves to another host.
+    run = run_with_provider(run_dir, "dies-on-arrival", "replicas=2", "steps=150", "faults=host@15:1",
+                            "hosts.provision_delay_s=1")
+    assert_recovered(run, "host", replica=1, replicas=2)
+    replaced = [e["host"] for e in run.events if e["event"] == "host_replaced"]
+    assert len(replaced) == 2 and len(set(replaced)) == 2, replaced
+    [failed_start] = [e for e in run.events if e["event"] == "replica_start_failed"]
+    assert "died while generation" in failed_start["reason"] or "unreachable" in failed_start["reason"], failed_start
+    assert run.leftovers == [], run.leftovers
+
+
+def test_a_replacement_slower_than_the_wait_is_used_by_the_retry_not_ordered_again(run_dir):
+    # The provider takes 3.5 s and the slot waits 2 s at a time: a retry waits for the same
+    # request (a new request per try would never come in time), so the group rejoins on the
+    # one host it ordered.
+    run = train(run_dir, "replicas=2", "steps=150", "faults=host@15:1",
+                "hosts.provision_delay_s=3.5", "hosts.provision_timeout_s=2")
+    assert_recovered(run, "host", replica=1, replicas=2)
+    events = [e["event"] for e in run.events]
+    assert "host_replacement_failed" in events and events.count("host_replaced") == 1
+    assert events.count("host_lost") == 1 and "still waiting for a host in place of local-1" in run.output
+    workers = sorted(p.name for p in (run.path / "hosts").glob("local-*.log"))
+    assert workers == ["local-0.log", "local-1.log", "local-2.log"], "one replacement host, no more"

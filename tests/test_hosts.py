@@ -9,7 +9,7 @@ import time
 import pytest
 
 from monarch_sky.address_hosts import AddressListHosts
-from monarch_sky.hosts import HostError, LocalHosts, parse_address
+from monarch_sky.hosts import Host, HostError, LocalHosts, parse_address
 
 
 def listening_socket() -> socket.socket:
@@ -73,3 +73,96 @@ def test_local_replacement_stops_waiting_at_shutdown(tmp_path):
     with pytest.raises(HostError, match="shutting down"):
         hosts.replace(None)
     assert hosts.procs == {}, "no worker may be started once the run is shutting down"
+
+
+def test_address_list_hands_each_spare_to_one_of_two_groups_lost_at_once():
+    workers = [listening_socket() for _ in range(4)]
+    hosts = AddressListHosts([f"127.0.0.1:{w.getsockname()[1]}" for w in workers], controller_ip="127.0.0.1", wait_s=3)
+    started = hosts.start(2)
+    got, errors = [], []
+
+    def replace(lost):
+        try:
+            got.append(hosts.replace(lost))
+        except Exception as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    for _ in range(20):  # the race is narrow: try it many times
+        hosts.spares = hosts.hosts[2:]
+        got.clear()
+        threads = [threading.Thread(target=replace, args=(h,)) for h in started]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == [] and len(set(got)) == 2, (got, errors)
+    for w in workers:
+        w.close()
+
+
+def test_a_host_given_back_is_the_next_replacement_and_a_dead_spare_is_skipped():
+    workers = [listening_socket() for _ in range(3)]
+    hosts = AddressListHosts([f"127.0.0.1:{w.getsockname()[1]}" for w in workers], controller_ip="127.0.0.1", wait_s=3)
+    first, second, spare = hosts.start(1) + hosts.hosts[1:]
+    assert [hosts.replace(first), hosts.replace(first)] == [second, spare], "the spares, in order"
+    hosts.give_back(second)  # its group was given up before it took the host
+    assert hosts.replace(first) == second, "a host given back goes out again"
+    workers[1].close()
+    hosts.give_back(second)
+    hosts.give_back(spare)
+    assert hosts.replace(first) == spare, "a spare that died meanwhile is skipped"
+    assert hosts.spares == []
+    for w in workers:
+        w.close()
+
+
+def test_local_replacements_from_many_threads_stay_within_capacity(tmp_path):
+    hosts = LocalHosts("unit-cap", log_dir=str(tmp_path), provision_delay_s=0, max_replacements=2)
+    results = []
+
+    def replace():
+        try:
+            results.append(hosts.replace(None))
+        except HostError as e:
+            results.append(e)
+
+    threads = [threading.Thread(target=replace) for _ in range(5)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    try:
+        got = [r for r in results if not isinstance(r, Exception)]
+        assert len(got) == 2 and len({h.name for h in got}) == 2, results
+        assert all("no capacity" in str(r) for r in results if isinstance(r, Exception)) and len(results) == 5
+    finally:
+        hosts.shutdown()
+
+
+def test_two_groups_lost_at_once_get_two_skypilot_clusters(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from monarch_sky.sky_hosts import SkyPilotHosts
+
+    worker = listening_socket()  # where every "launched" node's worker answers
+    log = tmp_path / "launched"
+    sky = tmp_path / "sky"
+    sky.write_text(f"""#!/bin/sh
+case "$1" in
+  launch) while [ $# -gt 0 ]; do [ "$1" = -c ] && echo "$2" >> {log}; shift; done; sleep 0.3 ;;
+  status) echo 127.0.0.1 ;;
+esac
+""")
+    sky.chmod(0o755)
+    monkeypatch.setenv("SKYPILOT_CLUSTER_INFO", '{"cluster_name": "c", "cloud": "Kubernetes", "region": "ctx"}')
+    recipe = Path(__file__).parent.parent / "recipes" / "llama.yaml"
+    hosts = SkyPilotHosts([], "127.0.0.1", str(recipe), "run", port=worker.getsockname()[1], sky=str(sky), wait_s=30)
+    lost = [Host("node-0", "10.0.0.1", 1), Host("node-1", "10.0.0.2", 1)]
+    threads = [threading.Thread(target=hosts.replace, args=(h,)) for h in lost]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(log.read_text().split()) == ["run-r0", "run-r1"], "one cluster per lost node"
+    hosts.shutdown()
+    worker.close()
