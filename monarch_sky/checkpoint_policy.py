@@ -52,6 +52,17 @@ def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
     return found
 
 
+def attempt_from_checkpoint(cfg) -> dict[str, Any] | None:
+    """A run with no record here but a checkpoint in its folder (on a bucket): its controller
+    moved to a new machine (a new pod), whose disk never held the run's record."""
+    if cfg.checkpoint.every_min <= 0:
+        return None
+    found = checkpoints.newest(checkpoints.folder_for(cfg))
+    if found is None:
+        return None
+    return {"last_step": found.step, "faults_injected": 0, "ended": "its record is not on this machine"}
+
+
 def restart_message(run_id: str, previous: dict[str, Any]) -> str:
     last = previous["last_step"]
     said = (

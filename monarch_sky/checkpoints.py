@@ -47,8 +47,13 @@ class Found:
 
 
 def folder_for(cfg) -> Path:
-    """The run's checkpoint folder, absolute (trainers on other hosts get the same path)."""
-    folder = cfg.checkpoint.folder or os.path.join(cfg.run_dir, cfg.run_id, "checkpoints")
+    """The run's checkpoint folder, absolute (trainers on other hosts get the same path): in
+    `checkpoint.folder` a folder per run id, so runs sharing a bucket never load, purge or
+    discard each other's checkpoints."""
+    if cfg.checkpoint.folder:
+        folder = os.path.join(cfg.checkpoint.folder, cfg.run_id)
+    else:
+        folder = os.path.join(cfg.run_dir, cfg.run_id, "checkpoints")
     return Path(os.path.abspath(os.path.expanduser(folder)))
 
 

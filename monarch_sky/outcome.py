@@ -56,8 +56,9 @@ def failed(error: str) -> dict[str, Any]:
 
 
 def resumable(summary: dict[str, Any]) -> bool:
-    """A run that was stopped or failed may be started again under the same run id."""
-    return (summary.get("outcome") or {}).get("status") in ("stopped", "failed")
+    """A run that did not reach its target (stopped, failed, incomplete) may be started
+    again under the same run id; one that did has nothing left to train."""
+    return (summary.get("outcome") or {}).get("status") in ("stopped", "failed", "incomplete")
 
 
 def _outcome(code: int, status: str, reasons: list[str]) -> dict[str, Any]:

@@ -13,13 +13,13 @@ import signal
 import sys
 from datetime import datetime
 
-from monarch_sky.checkpoint_policy import restart_message, resume_from
-from monarch_sky.config import EXIT_CONFIG, Job
+from monarch_sky.checkpoint_policy import attempt_from_checkpoint, restart_message, resume_from
+from monarch_sky.config import Job
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
 from monarch_sky.outcome import failed, stopped
 from monarch_sky.progress import Display, group_shape
-from monarch_sky.tracking import RunRecord, Tracker, previous_attempt
+from monarch_sky.tracking import RunFinished, RunRecord, Tracker, previous_attempt
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +70,10 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     run_id = cfg.run_id or new_run_id(cfg.recipe)
     cfg.run_id = run_id
     try:
-        previous = previous_attempt(cfg.run_dir, run_id)
-    except FileExistsError as e:
-        print(f"monarch-sky: config error: run_id: {e}; pick another run_id", file=sys.stderr)
-        return EXIT_CONFIG
+        previous = previous_attempt(cfg.run_dir, run_id) or attempt_from_checkpoint(cfg)
+    except RunFinished as e:  # a managed job's restart after the end gets the same answer
+        print(f"monarch-sky: {e}; nothing left to train (run_id: pick another to train again)", file=sys.stderr)
+        return e.exit_code
     display = Display(cfg.steps)
     resume = None
     if previous is not None:
@@ -113,7 +113,11 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         reap_run(run_id, EVERYTHING)
     try:
         record.write_summary(summary)
-        tracker.finish(summary, _render_report(record.path))
+        try:
+            tracker.finish(summary, _render_report(record.path))
+        except KeyboardInterrupt:  # the run is over and recorded: its outcome stands
+            record.event("interrupted_while_finishing")
+            display.line("monarch-sky: interrupted while finishing W&B; the run record is complete")
         display.finish(summary, str(record.path), tracker.location)
     finally:
         record.close()

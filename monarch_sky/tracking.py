@@ -19,6 +19,14 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 
+class RunFinished(Exception):
+    """The run id already reached its target: starting it again has nothing to train."""
+
+    def __init__(self, run_id: str, summary_path: Path, outcome: dict[str, Any]):
+        super().__init__(f"run {run_id} already finished ({outcome['status']}, exit {outcome['exit_code']}): {summary_path}")
+        self.exit_code = outcome["exit_code"]
+
+
 class RunRecord:
     def __init__(self, run_dir: str, run_id: str):
         self.path = Path(run_dir) / run_id
@@ -58,8 +66,8 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
 
     A run whose events exist but whose summary does not lost its controller (killed, or
     its machine died); one whose summary says it was stopped or failed may go on too (its
-    summary is kept as `summary-<status>-<n>.json`). Raises FileExistsError if the run id
-    already finished.
+    summary is kept as `summary-<status>-<n>.json`). Raises RunFinished if the run id
+    already reached its target.
     """
     from monarch_sky.outcome import resumable
 
@@ -69,7 +77,7 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
     if summary_path.exists():
         summary = json.loads(summary_path.read_text())
         if not resumable(summary):
-            raise FileExistsError(f"run {run_id} already finished ({summary_path})")
+            raise RunFinished(run_id, summary_path, summary["outcome"])
         ended = summary["outcome"]["status"]
         kept = len(list(path.glob("summary-*.json")))
         summary_path.replace(path / f"summary-{ended}-{kept}.json")
@@ -78,7 +86,7 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
         return None
     events = _json_lines(events_path)
     steps = [e["step"] for e in events if e.get("event") == "progress"]  # every 5% of the run
-    steps += [s["step"] for s in _json_lines(path / "steps.jsonl") if s.get("committed")]  # every step
+    steps += [s["step"] for s in _json_lines(path / "steps.jsonl", tail_bytes=STEPS_TAIL_BYTES) if s.get("committed")]
     return {
         "last_step": max(steps, default=0),
         "faults_injected": sum(e.get("event") == "fault_injected" for e in events),
@@ -86,9 +94,22 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
     }
 
 
-def _json_lines(path: Path) -> list[dict[str, Any]]:
+STEPS_TAIL_BYTES = 1 << 20  # steps.jsonl has a line per group and step: its newest end is enough
+
+
+def _json_lines(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any]]:
+    """The file's JSON lines (only those in its last `tail_bytes`, if given)."""
+    if not path.exists():
+        return []
+    with path.open("rb") as f:
+        if tail_bytes is not None and f.seek(0, 2) > tail_bytes:
+            f.seek(-tail_bytes, 2)
+            f.readline()  # the first line is cut off
+        else:
+            f.seek(0)
+        text = f.read().decode(errors="replace")
     lines = []
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for line in text.splitlines():
         try:
             lines.append(json.loads(line))
         except ValueError:  # the last line may be cut off

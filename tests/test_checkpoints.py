@@ -84,7 +84,7 @@ def test_the_default_folder_is_under_the_run_record_and_absolute(tmp_path, monke
     cfg = load_job(["run_dir=runs", "run_id=r1"]).config
     assert checkpoints.folder_for(cfg) == tmp_path / "runs" / "r1" / "checkpoints"
     cfg = load_job(["run_id=r1", "checkpoint.folder=/mnt/bucket/ck"]).config
-    assert str(checkpoints.folder_for(cfg)) == "/mnt/bucket/ck"
+    assert str(checkpoints.folder_for(cfg)) == "/mnt/bucket/ck/r1", "a folder per run in a shared bucket"
 
 
 def test_a_restart_resumes_from_the_newest_and_says_what_was_lost(tmp_path):

@@ -78,21 +78,36 @@ def test_new_controller_reaps_a_dead_controllers_processes(tmp_path):
     assert run.leftovers == []
 
 
-def test_a_finished_run_id_is_not_reused(tmp_path):
+def test_a_finished_run_id_is_not_trained_again_and_says_how_it_ended(tmp_path):
+    # A managed job restarted after its run finished gets the run's own exit code, not an error.
     run = train(tmp_path, "replicas=1", "steps=2", "training.warmup_steps=1", "faults=none", "ft.standby=false")
     assert run.returncode == 0, run.output[-3000:]
+    summary = (run.path / "summary.json").read_text()
     again = subprocess.run(
         train_command(tmp_path, run.path.name), cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120,
     )
-    assert again.returncode == 2
-    assert "run_id" in again.stderr and "already finished" in again.stderr
+    assert again.returncode == 0, again.stderr
+    assert "already finished (ok, exit 0)" in again.stderr and "nothing left to train" in again.stderr
+    assert (run.path / "summary.json").read_text() == summary, "the finished run's record is untouched"
 
 
-def kill_once_checkpointed(tmp_path, tag: str, *overrides: str) -> dict:
+def test_an_incomplete_run_trains_again_under_its_run_id(tmp_path):
+    # Both groups are lost at step 3 with no restarts left: the run ends incomplete (exit 1).
+    first = train(tmp_path, "replicas=2", "steps=8", "faults=kill@3:0,kill@3:1", "ft.max_restarts=0", "ft.standby=false")
+    assert first.returncode == 1 and first.summary["outcome"]["status"] == "incomplete", first.output[-3000:]
+    run = train(tmp_path, "replicas=2", "steps=8", "faults=none", "ft.standby=false", tag=first.path.name)
+    assert run.returncode == 0, run.output[-3000:]
+    assert run.summary["committed_steps"] == 8
+    assert [p.name for p in run.path.glob("summary-*.json")] == ["summary-incomplete-0.json"]
+    [restart] = [e for e in run.events if e["event"] == "controller_restarted"]
+    assert restart["ended"] == "incomplete", restart
+
+
+def kill_once_checkpointed(tmp_path, tag: str, *overrides: str, folder=None) -> dict:
     """Start a run with checkpoints on, SIGKILL its controller once a checkpoint is complete
     and a few more steps have committed; returns the newest checkpoint's step."""
     first = start(tmp_path, tag, *overrides)
-    folder = tmp_path / tag / "checkpoints"
+    folder = folder or tmp_path / tag / "checkpoints"
     try:
         wait_for_event(tmp_path / tag / "events.jsonl", "checkpoint_noted", timeout_s=300)
         deadline = time.monotonic() + 120
@@ -132,6 +147,25 @@ def test_a_run_killed_with_its_controller_resumes_from_its_newest_checkpoint(tmp
     digests = s["final_param_digest"]
     assert sorted(digests) == ["0", "1"] and len(set(digests.values())) == 1, digests
     assert s["checkpoints_written"] > 0 and s["checkpoint"]["resumed_from_step"] == step
+    assert run.leftovers == []
+
+
+def test_a_controller_on_a_new_machine_resumes_from_the_shared_checkpoint_folder(tmp_path):
+    # The run record stays on the dead pod's disk; the checkpoints are on a bucket. Another
+    # run sharing that bucket keeps its own folder, untouched.
+    tag, bucket = new_tag(), tmp_path / "bucket"
+    other = bucket / "another-run" / "step-999"
+    other.mkdir(parents=True)
+    args = ("replicas=2", "procs_per_replica=1", "steps=40", "faults=none", "ft.standby=false",
+            "checkpoint.every_min=0.03", "checkpoint.keep=2", f"checkpoint.folder={bucket}")
+    killed = kill_once_checkpointed(tmp_path / "old-pod", tag, *args, folder=bucket / tag)
+    run = train(tmp_path / "new-pod", *args, tag=tag)
+    assert run.returncode == 0, run.output[-3000:]
+    previous = run.summary["previous_controller"]
+    assert previous["resumed_from_step"] >= killed["newest_at_kill"] > 0, previous
+    assert "its record is not on this machine" in run.output
+    assert run.summary["committed_steps"] == 40 and run.summary["outcome"]["status"] == "ok"
+    assert other.is_dir(), "another run's checkpoint was touched"
     assert run.leftovers == []
 
 
