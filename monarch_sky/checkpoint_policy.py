@@ -46,6 +46,9 @@ def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
     if shape != wanted:
         previous["checkpoint_unusable"] = f"the checkpoint at step {found.step} is for {shape}, this run is {wanted}"
         return None
+    if found.note.get("run_id", cfg.run_id) != cfg.run_id:
+        previous["checkpoint_unusable"] = f"the checkpoint at step {found.step} belongs to run {found.note['run_id']}"
+        return None
     previous["resumed_from_step"] = found.step
     previous["steps_lost"] = max(0, previous["last_step"] - found.step)
     previous["discarded_checkpoints"] = checkpoints.discard_newer(folder, found.step)
@@ -124,8 +127,10 @@ class CheckpointPolicy:
         if self.resume is not None:
             step = self.resume.step
             ctx.ledger.run_step = ctx.ledger.logged_step = step
-            for slot in ctx.slots:
+            saved = self.resume.note.get("data_states", {})
+            for slot in ctx.slots:  # a group that fails before its first step goes on from here
                 slot.step = step
+                slot.data_states = tuple(saved.get(str(slot.index), ()))
             past = [f for f in ctx.injector.pending if f.step <= step]  # the lost attempt's to inject
             for fault in past:
                 ctx.injector.pending.remove(fault)

@@ -118,6 +118,17 @@ def test_a_checkpoint_of_another_shape_is_not_loaded(tmp_path):
     assert "procs_per_replica" in message and "starts again from step 0" in message
 
 
+def test_a_checkpoint_of_another_run_is_not_loaded(tmp_path):
+    cfg = job(tmp_path)
+    note = {"run_id": "someone-else", "recipe": "llama3_tiny", "replicas": cfg.replicas,
+            "procs_per_replica": cfg.procs_per_replica, "hosts_per_replica": cfg.hosts_per_replica}
+    make_step(checkpoints.folder_for(cfg), 20, note=note)
+    previous = {"last_step": 25, "ended": "controller lost", "reaped_processes": 0}
+    assert resume_from(cfg, previous) is None
+    assert "belongs to run someone-else" in restart_message("r1", previous)
+    assert checkpoints.newest(checkpoints.folder_for(cfg)).step == 20, "nor deleted"
+
+
 def load_cost_tool():
     import importlib.util
 
