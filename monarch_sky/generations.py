@@ -6,6 +6,10 @@ torch and torchtitan imported) ahead of need as a warm standby, so a recovery on
 the trainer. A generation that failed on live hosts is discarded (its processes stopped);
 one with a dead host is abandoned (stopping it there would hang), each dead host is
 replaced by the provider, and a new HostMesh covers the kept and the new hosts.
+
+A build watches the group's hosts, so a host that dies under it ends it at once. Each lost
+host has one replacement request, kept across tries; hosts a given-up group no longer needs
+go back to the provider as spares.
 """
 
 from __future__ import annotations
@@ -120,6 +124,19 @@ class Generations:
             kill_on_hosts(self.agent, standby.pids, skip=tuple(self.hosts.index(h) for h in lost))
         for host in lost:
             await self.fence(host)
+
+    async def move_off_dead_hosts(self) -> str | None:
+        """After a failed start: fence and replace whichever of the group's hosts died; returns
+        why a replacement failed (the next try's build then fails at the dead host)."""
+        lost = await self.lost_hosts()
+        if not lost:
+            return None
+        await self.fence_lost(lost)
+        try:
+            await self.replace_hosts(lost)
+        except HostError as e:
+            return describe_error(e)
+        return None
 
     async def lost_hosts(self) -> list[Host]:
         """The group's hosts whose workers no longer answer."""

@@ -22,7 +22,7 @@ from monarch_sky import rejoin
 from monarch_sky.context import RunContext
 from monarch_sky.detection import kill_on_hosts
 from monarch_sky.generations import Generations
-from monarch_sky.hosts import Host, HostError
+from monarch_sky.hosts import Host
 from monarch_sky.replica import GroupFailed, ReplicaGroup
 from monarch_sky.step_result import HealInfo, StepResult
 from monarch_sky.supervision import describe_error
@@ -79,7 +79,7 @@ class Slot:
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
                 if not self.may_restart(f"could not start: {reason}"):
                     return False
-                await self._move_off_dead_hosts()
+                self.last_failure = await self.gens.move_off_dead_hosts() or self.last_failure
                 continue
             refused = self.ctx.refuse_platform(info["platform"])
             if refused:  # the host will not change: no restarts
@@ -277,18 +277,6 @@ class Slot:
         self.gens.abandon(group)
         await self.gens.fence_lost(lost)
         return lost
-
-    async def _move_off_dead_hosts(self) -> None:
-        """After a failed start: fence and replace whichever of the group's hosts died. A
-        replacement that fails is left to the next try, whose build fails at the dead host."""
-        lost = await self.gens.lost_hosts()
-        if not lost:
-            return
-        await self.gens.fence_lost(lost)
-        try:
-            await self.gens.replace_hosts(lost)
-        except HostError as e:
-            self.last_failure = describe_error(e)
 
     async def _come_back(self, lost: list[Host]) -> None:
         if lost:  # raises HostError (a restart of this slot) if no host comes
