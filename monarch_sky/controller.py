@@ -204,11 +204,11 @@ class Controller:
     async def _check(self, slot: Slot) -> None:
         group, hosts = slot.group, slot.hosts
         probes = await asyncio.gather(*(self.ctx.provider.probe(h, DETECT_EVERY_S * 2) for h in hosts))
-        for host, up in zip(hosts, probes):
-            if self.watchdog.observe(host.address, up, time.monotonic()):
-                self.watchdog.forget(host.address)
-                slot.on_failure(group, f"host {host.name} ({host.address}) is unreachable", time.monotonic())
-                return
+        dead = self.watchdog.first_dead(hosts, probes, time.monotonic())
+        if dead is not None:
+            self.watchdog.forget(dead.address)
+            slot.on_failure(group, f"host {dead.name} ({dead.address}) is unreachable", time.monotonic())
+            return
         reachable = all(probes)
         if reachable and self._suspect_hang(slot):
             self.ctx.in_background(self._check_hang(slot, group))

@@ -96,6 +96,13 @@ class HostWatchdog:
     def forget(self, host: str) -> None:
         self._failing.pop(host, None)
 
+    def first_dead(self, hosts: list, probes: list[bool], now: float):
+        """Record one probe of each of `hosts`; the first that now counts as dead, or None."""
+        for host, up in zip(hosts, probes):
+            if self.observe(host.address, up, now):
+                return host
+        return None
+
 
 async def first_dead_host(provider, hosts: list, dead_after_s: float, every_s: float):
     """Probe `hosts` until one counts as dead by `HostWatchdog`'s rule; returns it. Watches a
@@ -103,8 +110,7 @@ async def first_dead_host(provider, hosts: list, dead_after_s: float, every_s: f
     watchdog = HostWatchdog(dead_after_s)
     while True:
         probes = await asyncio.gather(*(provider.probe(h, 2 * every_s) for h in hosts))
-        now = time.monotonic()
-        for host, up in zip(hosts, probes):
-            if watchdog.observe(host.address, up, now):
-                return host
+        dead = watchdog.first_dead(hosts, probes, time.monotonic())
+        if dead is not None:
+            return dead
         await asyncio.sleep(every_s)

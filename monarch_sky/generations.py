@@ -26,6 +26,7 @@ from monarch_sky.supervision import describe_error, resolved
 
 
 PROBE_EVERY_S = 0.5  # how often a group's hosts are probed while a generation is built
+PROBE_TIMEOUT_S = 2.0  # one look at whether a host is up
 AGENT_TRIES = 3
 
 
@@ -80,7 +81,7 @@ class Generations:
         task = self.orders.get(lost)
         if task is not None and task.done():
             failed = task.cancelled() or task.exception() is not None
-            if failed or not await off_loop(self.ctx.provider.alive, task.result()):
+            if failed or not await self.ctx.provider.probe(task.result(), PROBE_TIMEOUT_S):
                 task = None
         if task is None:
             task = self.orders[lost] = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
@@ -140,7 +141,7 @@ class Generations:
 
     async def lost_hosts(self) -> list[Host]:
         """The group's hosts whose workers no longer answer."""
-        alive = await asyncio.gather(*(off_loop(self.ctx.provider.alive, h) for h in self.hosts))
+        alive = await asyncio.gather(*(self.ctx.provider.probe(h, PROBE_TIMEOUT_S) for h in self.hosts))
         return [h for h, up in zip(self.hosts, alive) if not up]
 
     async def fence(self, host: Host) -> None:
