@@ -41,7 +41,8 @@ bench: $(STAMP)
 bench-heal: $(STAMP)
 	$(PY) -m monarch_sky.bench.heal $(ARGS)
 
-# Warm standby against cold respawn: seconds from a kill to the group's rejoin.
+# Warm standby against cold respawn (a kill), hot spare against a new host (a host loss):
+# seconds from the fault to the group's rejoin. BENCH_RUNS=3, BENCH_ARMS=host/spare,host/replace
 bench-recovery: $(STAMP)
 	$(PY) tools/bench_recovery.py
 

@@ -78,6 +78,7 @@ class HostSettings:
     provision_delay_s: float = 3.0  # local: how long a replacement host takes to "boot"
     provision_timeout_s: float = 600.0  # give up on a replacement host after this
     max_replacements: int = 3  # local: replacement hosts available to the run
+    spares: int = 0  # hosts kept up in no group (warm where a group is one host); a lost host's group takes one
     # a host is declared dead after its worker refused connections for this long (consecutive probes)
     dead_after_s: float = 2.0
 

@@ -34,6 +34,7 @@ class RunContext:
     ledger: Any = None  # StepLedger
     router: Any = None  # supervision.FailureRouter
     checkpoints: Any = None  # checkpoint_policy.CheckpointPolicy
+    spares: Any = None  # spares.SparePool
     lighthouse_address: str = ""
     heal_transport: str = ""  # the one every trainer of the run uses (`ft.heal_transport` resolved)
     replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")

@@ -27,6 +27,7 @@ from monarch_sky.injector import FaultInjector
 from monarch_sky.ledger import StatusCounts, StepLedger
 from monarch_sky.progress import Display
 from monarch_sky.slot import Slot, SlotState
+from monarch_sky.spares import SparePool
 from monarch_sky.summary import build_summary
 from monarch_sky.tracking import RunRecord, Tracker
 
@@ -52,6 +53,7 @@ class Controller:
         ctx.injector = FaultInjector(job.faults, cfg.seed, ranks_per_group(cfg), record, display, tracker)
         ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
         ctx.checkpoints = CheckpointPolicy(ctx, resume)
+        ctx.spares = SparePool(ctx)
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
         self.watchdog = HostWatchdog(cfg.hosts.dead_after_s)
@@ -140,13 +142,18 @@ class Controller:
         ctx.record.event("hosts_ready", hosts=[h.address for h in hosts])
 
     async def _warm_standbys(self) -> None:
-        if not self.ctx.cfg.ft.standby:
-            return
-        self.ctx.phase("warming a standby process set per group, so recovery skips the imports")
+        """A standby process set per group and the spare hosts, so recovery skips the imports."""
+        ctx = self.ctx
+        spares = f" and {ctx.spares.size} spare host(s)" if ctx.spares.size else ""
+        if ctx.cfg.ft.standby or spares:
+            ctx.phase(f"warming a standby process set per group{spares}, so recovery skips the imports")
         for slot in self.slots:
             slot.gens.refill_standby()
         waits = [s.gens.standby for s in self.slots if s.gens.standby is not None]
-        await asyncio.wait(waits, timeout=self.ctx.cfg.timeouts.spawn_s)
+        if spares:
+            waits.append(ctx.in_background(ctx.spares.start()))
+        if waits:
+            await asyncio.wait(waits, timeout=ctx.cfg.timeouts.spawn_s)
 
     async def _drive_all(self) -> None:
         """Every slot trains on its own; one slot's trouble never cancels another's.
@@ -191,15 +198,18 @@ class Controller:
 
     def _on_failure(self, owner: str, report: str, at: float) -> None:
         group = self.ctx.groups.get(owner)
-        if group is not None:
+        if group is not None and group.index < 0:  # a spare's warm process set: the pool drops it
+            group.mark_failed(supervision.short_reason(report))
+        elif group is not None:
             self.slots[group.index].on_failure(group, supervision.short_reason(report), at)
 
     async def _detect(self) -> None:
         """Ask the hosts every half second; Monarch supervision reports on its own."""
+        ctx = self.ctx
         while True:
             await asyncio.sleep(DETECT_EVERY_S)
             watched = [s for s in self.slots if s.group is not None and s.group.failure is None]
-            await asyncio.gather(*(self._check(s) for s in watched), return_exceptions=True)
+            await asyncio.gather(*(self._check(s) for s in watched), ctx.spares.check(), return_exceptions=True)
 
     async def _check(self, slot: Slot) -> None:
         group, hosts = slot.group, slot.hosts
@@ -263,7 +273,8 @@ class Controller:
             *(s.gens.close_standby() for s in self.slots), *ctx.background, return_exceptions=True))
         await self._within(deadline, "replica groups", asyncio.gather(
             *(g.close(stop_s) for g in list(ctx.groups.values())), return_exceptions=True))
-        await self._within(deadline, "hosts", asyncio.gather(*(s.gens.release() for s in self.slots), return_exceptions=True))
+        await self._within(deadline, "hosts", asyncio.gather(
+            *(s.gens.release() for s in self.slots), ctx.spares.release(), return_exceptions=True))
         if ctx.router is not None:
             ctx.router.uninstall()
         try:  # the provider gets a few seconds even when the stages above used up the time

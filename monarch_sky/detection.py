@@ -114,3 +114,17 @@ async def first_dead_host(provider, hosts: list, dead_after_s: float, every_s: f
         if dead is not None:
             return dead
         await asyncio.sleep(every_s)
+
+
+async def unless_a_host_dies(work: asyncio.Future, provider, hosts: list, dead_after_s: float, every_s: float):
+    """Wait for `work` while watching `hosts`: None once it is done, else the host that died
+    first (`work` is then still running: the caller's to cancel)."""
+    watch = asyncio.ensure_future(first_dead_host(provider, hosts, dead_after_s, every_s))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watch.cancel()
+    return None if work.done() else watch.result()

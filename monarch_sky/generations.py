@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
-from monarch_sky.detection import first_dead_host, kill_on_hosts, start_host_agent
+from monarch_sky.detection import kill_on_hosts, start_host_agent, unless_a_host_dies
 from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import ReplicaGroup
 from monarch_sky.supervision import describe_error, resolved
@@ -42,10 +42,11 @@ class Generations:
         self.agent = None  # a HostAgent on each of the group's hosts, once they are up
 
     async def replace_hosts(self, lost: list[Host]) -> None:
-        """Ask the provider for a host in place of each lost one and attach one mesh over the
-        group's hosts, the kept ones too; raises HostError when they do not all come within
-        `hosts.provision_timeout_s` (or the provider fails). A host that came is kept for
-        the next try (`orders`), so a retry never asks for a second one."""
+        """Put a host in place of each lost one: a spare from the pool (`hosts.spares`) if one
+        is ready, else the provider's; then one mesh over the group's hosts, the kept ones too.
+        Raises HostError when they do not all come within `hosts.provision_timeout_s` (or the
+        provider fails). A host that came is kept for the next try (`orders`), so a retry
+        never asks for a second one."""
         ctx, index = self.ctx, self.index
         timeout_s = ctx.cfg.hosts.provision_timeout_s
         for host in lost:
@@ -55,25 +56,57 @@ class Generations:
             ctx.record.event("host_lost", replica=index, host=host.address)
             ctx.display.line(f"[replica {index}] host {host.name} ({host.address}) is gone; asking for a replacement")
         began = time.monotonic()
+        spares = await self._take_spares(lost)
+        ordered = [h for h in lost if h not in spares]
         try:
-            orders = [await self._order(h) for h in lost]
+            orders = [await self._order(h) for h in ordered]
             # shield: a request that outlasts this wait stays ordered for the next try
-            new = await asyncio.wait_for(asyncio.shield(asyncio.gather(*orders)), timeout_s)
-            hosts = [new[lost.index(h)] if h in lost else h for h in self.hosts]
-            mesh = await attach_hosts(ctx, hosts)
+            came = await asyncio.wait_for(asyncio.shield(asyncio.gather(*orders)), timeout_s) if orders else []
+            new = {**dict(zip(ordered, came)), **{h: s.host for h, s in spares.items()}}
+            hosts = [new.get(h, h) for h in self.hosts]
+            warm = next(iter(spares.values())) if len(hosts) == 1 and spares else None
+            mesh = warm.mesh if warm is not None else await attach_hosts(ctx, hosts)
         except Exception as e:
+            for spare in spares.values():  # the next try's order gets it first
+                ctx.provider.give_back(spare.host)
             reason = f"no replacement host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else describe_error(e)
             ctx.record.event("host_replacement_failed", replica=index, reason=reason)
             names = ", ".join(h.name for h in lost)
             raise HostError(f"host {names} was lost and no replacement came: {reason}") from None
-        for host in lost:
+        for host in ordered:
             self.orders.pop(host, None)
         self.hosts, self.host_mesh, self.agent = hosts, mesh, None
+        if warm is not None and warm.group is not None:
+            self._adopt(warm.group)
         self.ctx.in_background(self.start_agent())
-        seconds = round(time.monotonic() - began, 3)
-        for host in new:
-            ctx.record.event("host_replaced", replica=index, host=host.address, seconds=seconds)
-            ctx.display.line(f"[replica {index}] replacement host {host.name} ({host.address}) attached after {seconds:.1f}s")
+        self._say_replaced(lost, new, spares, round(time.monotonic() - began, 3))
+
+    async def _take_spares(self, lost: list[Host]) -> dict:
+        """A ready spare (`monarch_sky.spares.Spare`) for each lost host the pool can cover."""
+        spares = {}
+        for host in lost:
+            if host not in self.orders and (spare := await self.ctx.spares.take(host)) is not None:
+                spares[host] = spare
+        return spares
+
+    def _adopt(self, group: ReplicaGroup) -> None:
+        """A spare's warm process set becomes this group's next generation (its standby, in place
+        of one on the lost host)."""
+        self.abandon_standby()
+        group.index, group.generation = self.index, self.spawned
+        self.spawned += 1
+        self.standby = asyncio.get_running_loop().create_future()
+        self.standby.set_result(group)
+
+    def _say_replaced(self, lost: list[Host], new: dict, spares: dict, seconds: float) -> None:
+        now = time.monotonic()
+        for old in lost:
+            host, spare = new[old], spares.get(old)
+            age = {"spare": True, "spare_age_s": spare.age_s(now), "warm": spare.group is not None} if spare else {"spare": False}
+            self.ctx.record.event("host_replaced", replica=self.index, host=host.address, seconds=seconds, **age)
+            self.ctx.injector.host_replaced(self.index, {"host": host.address, "seconds": seconds, **age})
+            source = "spare host" if spare else "replacement host"
+            self.ctx.display.line(f"[replica {self.index}] {source} {host.name} ({host.address}) attached after {seconds:.1f}s")
 
     async def _order(self, lost: Host) -> asyncio.Future:
         """The request for a host in place of `lost`: the one already out, unless it failed
@@ -168,7 +201,7 @@ class Generations:
         ctx.groups[group.owner] = group
         ctx.router.watch(group.owner)
         try:
-            await group.spawn(ctx.spec(self.index), ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s)
+            await group.spawn(ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s)
         except BaseException:
             await self.discard(group)
             raise
@@ -211,28 +244,19 @@ class Generations:
         was warm, and its setup's answer; raises if it fails, HostError as soon as one of the
         group's hosts dies meanwhile (not after `timeouts.spawn_s`)."""
         build = asyncio.ensure_future(self._build(rejoining, data))
-        watch = asyncio.ensure_future(
-            first_dead_host(self.ctx.provider, self.hosts, self.ctx.cfg.hosts.dead_after_s, PROBE_EVERY_S))
-        try:
-            await asyncio.wait({build, watch}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            build.cancel()
-            raise
-        finally:
-            watch.cancel()
-        if build.done():
+        host = await unless_a_host_dies(build, self.ctx.provider, self.hosts, self.ctx.cfg.hosts.dead_after_s, PROBE_EVERY_S)
+        if host is None:
             return build.result()
         build.cancel()  # its cleanup (bounded by timeouts.stop_s) goes on without us
         self.ctx.background.add(build)
         build.add_done_callback(self.ctx.background.discard)
-        host = watch.result()
         raise HostError(f"host {host.name} ({host.address}) died while generation {self.spawned - 1} was being built")
 
     async def _build(self, rejoining: bool, data: tuple) -> tuple[ReplicaGroup, bool, dict]:
         group = None
         try:
             group, warm = await self.take()
-            return group, warm, await group.setup(rejoining, data, self.ctx.cfg.timeouts.spawn_s)
+            return group, warm, await group.setup(self.ctx.spec(self.index), rejoining, data, self.ctx.cfg.timeouts.spawn_s)
         except BaseException:
             if group is not None and await self.lost_hosts():
                 self.abandon(group)  # stopping it there would hang

@@ -84,6 +84,15 @@ class HostProvider(abc.ABC):
                 return spare
         return self.provision(lost)
 
+    def spare_hosts(self, count: int) -> list[Host]:
+        """Up to `count` hosts up and in no group, for the spare pool (`hosts.spares`): the
+        ones beyond the groups' (extra addresses). Those it takes are no longer `spares`."""
+        taken = []
+        while len(taken) < count and (host := self._take_spare()) is not None:
+            if self.alive(host):
+                taken.append(host)
+        return taken
+
     def give_back(self, host: Host) -> None:
         """A host obtained from `replace` that no group took (its group was given up, or
         the run stopped waiting for it): the next `replace` hands it out."""
@@ -139,6 +148,10 @@ class LocalHosts(HostProvider):
         for host, proc in launched:
             _wait_listening(host, proc, timeout_s=60)
         return [host for host, _ in launched]
+
+    def spare_hosts(self, count: int) -> list[Host]:
+        """Spares are started with the run, like its first hosts (not replacements)."""
+        return self.start(count)
 
     def provision(self, lost: Host) -> Host:
         with self.lock:

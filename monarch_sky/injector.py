@@ -35,6 +35,8 @@ class FaultRecord:
     # first one issued after the rejoin.
     survivors_pause_s: float | None = None
     pausing: bool = False
+    host_replaced: dict | None = None  # a lost host's replacement: from the spare pool or not, how old
+
 
     def seconds(self, at: float | None) -> float | None:
         return None if at is None else round(at - self.injected_at, 3)
@@ -55,6 +57,7 @@ class FaultRecord:
             "heal_s": self.heal.transfer_s if self.heal else None,
             "heal_gb_per_s": self.heal.gb_per_s if self.heal else None,
             "survivors_pause_s": self.survivors_pause_s,
+            "host_replaced": self.host_replaced,
         }
 
 
@@ -140,6 +143,10 @@ class FaultInjector:
             rec.heal = heal
             self.tracker.note({"fault/rejoined_s": rec.seconds(now)})
         return faults
+
+    def host_replaced(self, replica: int, info: dict) -> None:
+        for rec in self.open_faults(replica):
+            rec.host_replaced = info
 
     def served(self, r: StepResult, pause_s: float) -> None:
         """Group `r.replica` staged its state for a rejoining peer in this step: the newest

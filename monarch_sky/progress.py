@@ -64,6 +64,17 @@ class Display:
         print(f"W&B: {wandb_location or 'disabled'}", file=self.stream, flush=True)
 
 
+def _spares(s: dict[str, Any]) -> str:
+    return f"{s['used']} used of {s['size']}, {s['ready']} ready at the end ({'warm' if s['warm'] else 'attached'})"
+
+
+def _on_spare(fault: dict[str, Any]) -> str:
+    host = fault.get("host_replaced")
+    if not host:
+        return ""
+    return f", on a spare host ready {host['spare_age_s']:.0f}s" if host.get("spare") else ", on a new host"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     loss = s.get("loss") or {}
     rows = [
@@ -74,6 +85,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("loss", f"{_num(loss.get('first'))} -> {_num(loss.get('last'))}"),
         ("wall time", f"{s['wall_s']:.1f}s"),
         ("checkpoints written", _checkpoints(s)),
+        *([("spare hosts", _spares(s["spares"]))] if (s.get("spares") or {}).get("size") else []),
         ("final digests", _digests(s.get("final_param_digest") or {}, s["replicas"])),
         ("outcome", _outcome(s.get("outcome") or {})),
     ]
@@ -88,7 +100,7 @@ def format_summary(s: dict[str, Any]) -> str:
         for f in s["faults"]:
             out.append(
                 f"    {f['kind']:<9}{f['replica']:>8}{f['step']:>6}{_num(f['detected_s']):>10}"
-                f"{_num(f['survivors_resumed_s']):>9}{_num(f['rejoined_s']):>10}  {f['recovered_from']}"
+                f"{_num(f['survivors_resumed_s']):>9}{_num(f['rejoined_s']):>10}  {f['recovered_from']}{_on_spare(f)}"
             )
     for failure in s.get("unplanned_failures") or []:
         out.append(f"  UNPLANNED failure of replica {failure['replica']}: {failure['reason']}")

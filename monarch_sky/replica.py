@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 class ReplicaActor(Actor):
     """TorchFT finds the lighthouse through TORCHFT_LIGHTHOUSE in the process environment."""
 
-    def __init__(self, spec: TrainerSpec):
-        self.spec = spec
+    def __init__(self):
+        self.spec: TrainerSpec | None = None  # the group's, given at setup (a spare's group is known only then)
         self.trainer = None
 
     @endpoint
@@ -43,7 +43,7 @@ class ReplicaActor(Actor):
         return time.perf_counter() - start
 
     @endpoint
-    def setup(self, rejoining: bool, data_states: tuple) -> dict:
+    def setup(self, spec: TrainerSpec, rejoining: bool, data_states: tuple) -> dict:
         """Build the trainer (after `warm`); TorchFT joins the lighthouse on the first step.
 
         `rejoining`: the group joins a job already training, so it must heal from a peer.
@@ -54,6 +54,7 @@ class ReplicaActor(Actor):
 
         rank = int(os.environ["RANK"])  # set by the group's SPMD setup
         data_state = data_states[rank] if data_states else None
+        self.spec = spec
         self.trainer = GroupTrainer(self.spec, rejoining, data_state)
         plat = self.trainer.platform
         platform_mod.yield_cpu_to_recovery(plat.kind)
@@ -111,13 +112,13 @@ class ReplicaGroup:
     form a {hosts, gpus} mesh over the group's hosts; rank = host index x procs + gpu.
     """
 
-    def __init__(self, index: int, generation: int, hosts: list, host_mesh, procs: int):
+    def __init__(self, index: int, generation: int, hosts: list, host_mesh, procs: int, owner: str = ""):
         self.index = index
         self.generation = generation
         self.hosts = list(hosts)
         self.host_mesh = host_mesh  # one HostMesh over all of `hosts`
         self.procs = procs  # per host
-        self.owner = f"r{index}g{generation}"
+        self.owner = owner or f"r{index}g{generation}"  # a spare's keeps its own name once promoted
         self.failure: str | None = None
         self.detected = False  # the controller has recorded this group's failure
         self._failed = asyncio.Event()
@@ -132,7 +133,7 @@ class ReplicaGroup:
             self.failure = report
         self._failed.set()
 
-    async def spawn(self, spec: TrainerSpec, env: dict[str, str], timeout_s: float) -> None:
+    async def spawn(self, env: dict[str, str], timeout_s: float) -> None:
         """Start the group's processes and import the trainer code (a warm standby)."""
         from monarch.actor import default_bootstrap_cmd
 
@@ -150,11 +151,11 @@ class ReplicaGroup:
         for point, pid in pids.items():
             self.pids[point["hosts"]].append(pid)
         self.timings["boot_s"] = round(time.monotonic() - began, 3)
-        self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor, spec)
+        self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor)
         imports = await self._call(self.actors.warm.call(), timeout_s)
         self.timings["import_s"] = round(max(imports.values()), 3)
 
-    async def setup(self, rejoining: bool, data_states: tuple, timeout_s: float) -> dict:
+    async def setup(self, spec: TrainerSpec, rejoining: bool, data_states: tuple, timeout_s: float) -> dict:
         """Build the trainer on every rank; the group joins TorchFT on its first step."""
         from monarch.spmd import SPMDActor
 
@@ -163,7 +164,7 @@ class ReplicaGroup:
         # address must be the first host's reachable IP; the port is picked on that host.
         _, port = await self._call(spmd.slice(hosts=0, gpus=0).get_host_port.call_one(None), timeout_s)
         await self._call(spmd.setup_env.call(self.hosts[0].ip, port), timeout_s)
-        info = (await self._call(self.actors.setup.call(rejoining, data_states), timeout_s)).get(0)
+        info = (await self._call(self.actors.setup.call(spec, rejoining, data_states), timeout_s)).get(0)
         self.timings["build_s"] = round(info["build_s"], 3)
         return info
 

@@ -43,6 +43,7 @@ def build_summary(
         "lost_replicas": ctx.lost,
         "progress_lost": ctx.progress_lost,
         "restarts": {str(s.index): s.restarts for s in slots},
+        "spares": ctx.spares.summary() if ctx.spares is not None else None,
         "previous_controller": previous_controller,
         "checkpoint": ctx.checkpoints.summary() if ctx.checkpoints is not None else None,
         "tracking_error": ctx.tracker.error,

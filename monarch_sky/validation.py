@@ -58,6 +58,7 @@ AT_LEAST_ZERO = (
     "ft.max_restarts",
     "hosts.provision_delay_s",
     "hosts.max_replacements",
+    "hosts.spares",
     "chaos.every_s",
     "chaos.seed",
     "checkpoint.every_min",

@@ -30,6 +30,7 @@
 # Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE
 # (and SKYPILOT_JOBGROUP_NAME in job groups) and the task envs: RECIPE, REPLICAS_PER_NODE,
 # HOSTS_PER_REPLICA (nodes one replica group spans; consecutive node ranks form a group),
+# SPARE_NODES (cluster role: the last nodes are hot spares, `hosts.spares`),
 # PROCS_PER_REPLICA (CPU nodes), WORKER_PORT, RUN_DIR (where the run record goes), MONARCH_SKY_ARGS
 # (extra `monarch-sky train` overrides), MONARCH_SKY_PY (the python with monarch_sky installed); for tests,
 # MONARCH_SKY_STATE (pid, rc and lock files), MONARCH_SKY_SYSFS and MONARCH_SKY_DEV (roots
@@ -85,7 +86,12 @@ fi
 if [ "$PER_GROUP" -gt 1 ]; then
   [ "$PER_NODE" -eq 1 ] || die "HOSTS_PER_REPLICA=$PER_GROUP needs REPLICAS_PER_NODE=1: a group spanning nodes uses all their GPUs"
   [ "$ROLE" != controller ] || die "HOSTS_PER_REPLICA=$PER_GROUP: a job group's replica tasks are one node each; use the cluster recipes"
-  [ "$ROLE" != cluster ] || [ $((NODES % PER_GROUP)) -eq 0 ] || die "HOSTS_PER_REPLICA=$PER_GROUP does not divide the $NODES nodes: launch a multiple of it (--num-nodes)"
+fi
+SPARES=${SPARE_NODES:-0}  # cluster role: the last SPARE_NODES nodes wait, warm, for a lost node's group
+[[ "$SPARES" =~ ^[0-9]+$ ]] || die "SPARE_NODES=$SPARES must be a whole number"
+if [ "$ROLE" = cluster ]; then
+  [ "$SPARES" -lt "$NODES" ] || die "SPARE_NODES=$SPARES leaves none of the $NODES nodes to train: launch more (--num-nodes) or lower it"
+  [ $(((NODES - SPARES) % PER_GROUP)) -eq 0 ] || die "HOSTS_PER_REPLICA=$PER_GROUP does not divide the $((NODES - SPARES)) nodes left after SPARE_NODES=$SPARES: launch a multiple of it plus the spares (--num-nodes)"
 fi
 if [ "$GPUS" -gt 0 ]; then
   [ $((GPUS % PER_NODE)) -eq 0 ] || die "REPLICAS_PER_NODE=$PER_NODE does not divide the node's $GPUS GPUs"
@@ -304,8 +310,9 @@ case "$ROLE" in
       need RECIPE_YAML
       REPLACE=(hosts.provider=skypilot hosts.recipe_yaml="$RECIPE_YAML")
     fi
-    RC=0
-    train "$(IFS=,; echo "${ADDRS[*]}")" $((NODES * PER_NODE / PER_GROUP)) ${REPLACE[@]+"${REPLACE[@]}"} || RC=$?
+    RC=0  # the spare nodes' workers are the last addresses: the provider keeps those beyond the groups'
+    train "$(IFS=,; echo "${ADDRS[*]}")" $(((NODES - SPARES) * PER_NODE / PER_GROUP)) hosts.spares=$((SPARES * PER_NODE)) \
+      ${REPLACE[@]+"${REPLACE[@]}"} || RC=$?
     wait_workers || true  # the controller's status is this node's: it has judged every worker
     exit "$RC"
     ;;

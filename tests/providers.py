@@ -48,7 +48,21 @@ class DiesOnArrivalHosts(LocalHosts):
         return host
 
 
-PROVIDERS = {"fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts}
+class SpareDiesIdleHosts(LocalHosts):
+    """The first spare host (`hosts.spares`) dies half a minute after the run starts it
+    (warm by then, or still warming on a slow machine), before any group needs it."""
+
+    DIES_AFTER_S = 30.0
+
+    def spare_hosts(self, count: int) -> list[Host]:
+        hosts = super().spare_hosts(count)
+        if hosts:
+            threading.Timer(self.DIES_AFTER_S, self.kill, [hosts[0]]).start()
+        return hosts
+
+
+PROVIDERS = {"fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts,
+             "spare-dies-idle": SpareDiesIdleHosts}
 
 
 def main(kind: str, overrides: list[str]) -> int:

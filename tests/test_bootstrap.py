@@ -280,3 +280,16 @@ def test_a_worker_that_dies_comes_back_on_a_port_the_controller_can_attach_to(tm
     finally:
         kill_tagged(tag)
     assert leftovers(tag) == []
+
+
+@pytest.mark.parametrize("spares, nodes, per_group, says", [
+    ("1", "1", "1", "SPARE_NODES=1 leaves none of the 1 nodes to train"),
+    ("one", "2", "1", "SPARE_NODES=one must be a whole number"),
+    ("1", "4", "2", "does not divide the 3 nodes left after SPARE_NODES=1"),
+])
+def test_spare_nodes_that_cannot_fit_the_cluster_are_refused_before_anything_starts(tmp_path, spares, nodes, per_group, says):
+    env = node_env(new_tag(), tmp_path, "cluster", free_port(), SPARE_NODES=spares, HOSTS_PER_REPLICA=per_group,
+                   SKYPILOT_NUM_NODES=nodes, SKYPILOT_NODE_IPS="\n".join(f"127.0.0.{i + 1}" for i in range(int(nodes))))
+    proc = subprocess.run(["bash", str(BOOTSTRAP)], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and says in proc.stderr, proc.stdout + proc.stderr
+    assert list((tmp_path / "state").glob("worker-*")) == [], "no worker was started"

@@ -58,7 +58,7 @@ BAD = [
     ]],
     *[([f"{key}=-1"], [key, ">= 0"]) for key in [
         "ft.max_restarts", "training.warmup_steps", "hosts.provision_delay_s",
-        "hosts.max_replacements", "seed",
+        "hosts.max_replacements", "hosts.spares", "seed",
     ]],
     (["training.seq_len=0"], ["training.seq_len", ">= 1"]),
     (["training.local_batch_size=0"], ["training.local_batch_size", ">= 1"]),

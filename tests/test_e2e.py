@@ -151,20 +151,29 @@ def test_groups_with_different_weights_fail_the_run(run_dir):
     assert run.leftovers == []
 
 
-def test_host_loss_replacement_host_rejoins_from_peer(run_dir):
-    run = train(run_dir, "replicas=2", "steps=200", "faults=host@20:1", "hosts.provision_delay_s=2")
+def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(run_dir):
+    run = train(run_dir, "replicas=2", "steps=250", "faults=host@20:1", "hosts.spares=1", "hosts.provision_delay_s=2")
     fault = assert_recovered(run, "host", replica=1, replicas=2)
     assert fault["rank"] is None, "a host fault takes every rank"
     assert fault["steps_while_down"] > 0, "survivors committed no step while the host was gone"
-    [replaced] = [e for e in run.events if e["event"] == "host_replaced"]
     [lost] = [e for e in run.events if e["event"] == "host_lost"]
-    assert replaced["host"] != lost["host"], "the group moved to a new host"
+    [replaced] = [e for e in run.events if e["event"] == "host_replaced"]
+    first, refill = [e for e in run.events if e["event"] == "spare_ready"]
+    assert replaced["spare"] and replaced["warm"] and replaced["host"] == first["host"], "the group took the warm spare"
+    assert fault["host_replaced"]["spare"] is True
+    assert refill["host"] not in (lost["host"], first["host"]), "the pool got a new host in place of the lost one"
+    [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
+    started = {(e["replica"], e["generation"]): e for e in run.events if e["event"] == "replica_started"}
+    assert started[(1, rejoined["generation"])]["from_standby"], "the spare's processes were already up"
+    assert started[(1, rejoined["generation"])]["hosts"] == [first["host"]]
+    assert run.summary["spares"] == {"size": 1, "used": 1, "ready": 1, "warm": True}
 
 
-def test_group_spanning_two_hosts_loses_one_and_heals_on_a_replacement(run_dir):
-    # Each group is one FSDP mesh over two hosts; the host fault takes one of group 1's.
+def test_group_spanning_two_hosts_loses_one_and_heals_on_a_spare(run_dir):
+    # Each group is one FSDP mesh over two hosts; the host fault takes one of group 1's, and
+    # the spare host takes its place (attached, not warm: a spare holds no part of a group).
     run = train(run_dir, "replicas=2", "hosts_per_replica=2", "procs_per_replica=1", "steps=100",
-                "faults=host@15:1", "hosts.provision_delay_s=1")
+                "faults=host@15:1", "hosts.provision_delay_s=1", "hosts.spares=1")
     assert_recovered(run, "host", replica=1, replicas=2)  # the heal carried all of both ranks' shards
     [ready] = [e for e in run.events if e["event"] == "hosts_ready"]
     assert len(ready["hosts"]) == 4
@@ -172,6 +181,8 @@ def test_group_spanning_two_hosts_loses_one_and_heals_on_a_replacement(run_dir):
     assert started[(0, 0)] == ready["hosts"][:2] and started[(1, 0)] == ready["hosts"][2:]
     [lost] = [e["host"] for e in run.events if e["event"] == "host_lost"]
     [replaced] = [e["host"] for e in run.events if e["event"] == "host_replaced"]
+    [spare] = [e for e in run.events if e["event"] == "spare_ready"][:1]
+    assert (replaced, spare["warm"]) == (spare["host"], False)
     assert lost in started[(1, 0)]
     rejoined = [e for e in run.events if e["event"] == "replica_rejoined"][-1]
     kept_and_new = [replaced if h == lost else h for h in started[(1, 0)]]
@@ -242,6 +253,20 @@ def test_a_replacement_host_that_dies_during_the_build_is_replaced_in_turn(run_d
     [failed_start] = [e for e in run.events if e["event"] == "replica_start_failed"]
     assert "died while generation" in failed_start["reason"] or "unreachable" in failed_start["reason"], failed_start
     assert run.leftovers == [], run.leftovers
+
+
+def test_a_spare_that_dies_while_idle_is_replaced_and_a_later_host_loss_still_heals(run_dir):
+    # The spare dies idle (or, on a slow machine, while it is still warming).
+    run = run_with_provider(run_dir, "spare-dies-idle", "replicas=2", "steps=250", "faults=host@120:1",
+                            "hosts.spares=1", "hosts.provision_delay_s=1")
+    assert_recovered(run, "host", replica=1, replicas=2)
+    [dropped] = [e for e in run.events if e["event"] in ("spare_lost", "spare_failed")]
+    assert not dropped["host_alive"], "the dead spare was noticed"
+    ready = [e for e in run.events if e["event"] == "spare_ready" and e["t"] > dropped["t"]]
+    assert ready and ready[0]["host"] != dropped["host"], "and replaced"
+    [replaced] = [e for e in run.events if e["event"] == "host_replaced"]
+    assert replaced["host"] != dropped["host"], "the dead spare was never handed to a group"
+    assert run.summary["restarts"]["0"] == 0
 
 
 def test_a_replacement_slower_than_the_wait_is_used_by_the_retry_not_ordered_again(run_dir):

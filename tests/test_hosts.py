@@ -166,3 +166,16 @@ esac
     assert sorted(log.read_text().split()) == ["run-r0", "run-r1"], "one cluster per lost node"
     hosts.shutdown()
     worker.close()
+
+
+def test_the_spare_pool_takes_the_live_addresses_beyond_the_groups():
+    workers = [listening_socket() for _ in range(4)]
+    hosts = AddressListHosts([f"127.0.0.1:{w.getsockname()[1]}" for w in workers], controller_ip="127.0.0.1", wait_s=3)
+    groups = hosts.start(1)
+    workers[1].close()  # the first extra address died before the pool was filled
+    assert hosts.spare_hosts(1) == [hosts.hosts[2]], "a dead extra is skipped"
+    assert hosts.spares == [hosts.hosts[3]], "what the pool did not take stays for replacements"
+    assert hosts.spare_hosts(5) == [hosts.hosts[3]] and hosts.spares == [], "no more than there are"
+    assert groups == [hosts.hosts[0]]
+    for w in workers:
+        w.close()

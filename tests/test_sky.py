@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -64,7 +65,8 @@ CLUSTER_RECIPES = [("llama.yaml", "llama3_8b", 512), ("llama-70b.yaml", "llama3_
 @pytest.mark.parametrize("name,recipe,memory_gb", CLUSTER_RECIPES)
 def test_cluster_recipes_ask_skypilot_for_amd_nodes_that_exist(facts, name, recipe, memory_gb):
     task = facts[name]
-    assert not task["job_group"] and task["num_nodes"] == 2
+    # two replica groups and a hot spare node, which the bootstrap keeps out of the groups
+    assert not task["job_group"] and task["num_nodes"] == 3 and task["envs"]["SPARE_NODES"] == "1"
     assert_amd_node(task, memory_gb)
     assert task["envs"]["RECIPE"] == recipe and task["envs"]["RECIPE_YAML"] == f"recipes/{name}"
     assert task["secret_refs"] == ["WANDB_API_KEY", "HF_TOKEN", *TLS_SECRETS]
@@ -284,6 +286,61 @@ def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path, nodes,
     assert started[1] == hosts[per_group:2 * per_group]
     assert "[node 1 doctor]" in outputs[1] and "[node 1 worker 0]" in outputs[1]
     assert run.leftovers == [], run.leftovers
+
+
+def test_a_node_whose_worker_dies_moves_to_the_spare_node_and_comes_back_as_the_new_spare(tmp_path):
+    # Three simulated nodes with SPARE_NODES=1: two groups and a spare. Node 1's worker dies with
+    # everything it started (a crash of that node's stack); its group moves onto node 2's warm
+    # spare, and node 1's bootstrap starts the worker again 100 ports higher, where the pool
+    # finds it by itself: it is the new spare, and the run releases it at the end.
+    tag, nodes = new_tag(), 3
+    args = f"steps=150 faults=none run_dir={tmp_path / 'runs'} wandb.mode=disabled"
+    procs = [
+        subprocess.Popen(
+            ["bash", str(REPO / "sky" / "bootstrap.sh")],
+            cwd=REPO, env=bootstrap_env(tag, rank, nodes, tmp_path, args, SPARE_NODES="1"),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(nodes)
+    ]
+    events = tmp_path / "runs" / tag / "events.jsonl"
+    try:
+        wait_for_event(events, "training_started", timeout_s=400)
+        worker = psutil.Process(int((tmp_path / "state1" / "worker-26600.pid").read_text()))
+        doomed = [worker, *worker.children(recursive=True)]
+        for proc in doomed:
+            proc.kill()
+        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"node {rank}:\n{output[-3000:]}"
+    run = Run(0, outputs[0], tmp_path / "runs" / tag, leftovers(tag))
+    s = run.summary
+    assert (s["replicas"], s["committed_steps"], s["lost_replicas"]) == (2, 150, [])
+    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 2
+    [lost] = [e for e in run.events if e["event"] == "host_lost"]
+    [replaced] = [e for e in run.events if e["event"] == "host_replaced"]
+    assert lost["host"] == "tls://127.0.0.2:26600"
+    assert (replaced["host"], replaced["spare"], replaced["warm"]) == ("tls://127.0.0.3:26600", True, True)
+    ready = [e["host"] for e in run.events if e["event"] == "spare_ready"]
+    assert ready == ["tls://127.0.0.3:26600", "tls://127.0.0.2:26700"], "node 1 came back as the spare"
+    [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
+    assert rejoined["replica"] == 1 and rejoined["recovered_from"] == "peer"
+    assert "starting it again on port 26700" in outputs[1]
+    assert s["spares"] == {"size": 1, "used": 1, "ready": 1, "warm": True}
+    assert run.leftovers == [], run.leftovers
+
+
+def wait_for_event(events: Path, name: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if events.exists() and f'"event": "{name}"' in events.read_text():
+            return
+        time.sleep(1)
+    raise AssertionError(f"no {name} event within {timeout_s:.0f}s")
 
 
 def test_bootstrap_refuses_to_run_outside_skypilot():

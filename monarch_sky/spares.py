@@ -1,0 +1,210 @@
+"""Hot spare hosts (`hosts.spares`): a lost host's group comes back on a host already up.
+
+The pool holds up to `hosts.spares` hosts in no group, each attached (its own HostMesh) and,
+where a group is one host, holding a warm process set shaped like a group's generation
+(processes up, torch and torchtitan imported). A group that loses a host takes a spare at
+once instead of waiting for the provider (`Generations.replace_hosts`); its warm process set
+becomes the group's next generation, which only builds its trainer and heals from a peer.
+The provider then brings a new spare in the background: a new worker (local), the lost
+node's worker once it is back (address list), a launched cluster (SkyPilot).
+
+A spare whose host dies while idle, or whose warm processes fail, is dropped and refilled;
+a spare's host is never used by two groups, and every host the pool got is used, kept or
+released at the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from monarch_sky.context import RunContext, off_loop
+from monarch_sky.detection import HostWatchdog, unless_a_host_dies
+from monarch_sky.hosts import Host
+from monarch_sky.replica import ReplicaGroup
+from monarch_sky.supervision import describe_error, resolved
+
+PROBE_TIMEOUT_S = 2.0
+PROBE_EVERY_S = 0.5  # a spare's host is probed this often while it is warmed
+MAX_FAILURES_IN_A_ROW = 3  # spares that failed to come up before the pool stops refilling
+SPARE_INDEX = -1  # a warm process set in no group yet
+
+
+@dataclass
+class Spare:
+    host: Host
+    mesh: Any  # a HostMesh over this one host
+    group: ReplicaGroup | None  # its warm process set (groups of one host), else None
+    ready_at: float  # monotonic time it was ready
+
+    def age_s(self, now: float) -> float:
+        return round(now - self.ready_at, 3)
+
+
+class SparePool:
+    def __init__(self, ctx: RunContext):
+        self.ctx = ctx
+        self.size = ctx.cfg.hosts.spares
+        self.ready: list[Spare] = []
+        self.coming = 0  # spares being brought up
+        self.made = 0  # spares brought up so far (names their process sets)
+        self.used = 0
+        self.failures = 0  # spares in a row that failed to come up
+        self.watchdog = HostWatchdog(ctx.cfg.hosts.dead_after_s)
+
+    @property
+    def warm(self) -> bool:
+        """A spare can hold a whole generation only where a group is one host."""
+        return self.ctx.cfg.hosts_per_replica == 1
+
+    async def start(self) -> None:
+        """The first spares: hosts the provider has up beyond the groups' (extra addresses, or
+        local workers started now). Fewer than `hosts.spares` is said, not fatal."""
+        if self.size == 0:
+            return
+        hosts = await asyncio.wait_for(off_loop(self.ctx.provider.spare_hosts, self.size),
+                                       self.ctx.cfg.hosts.provision_timeout_s)
+        if len(hosts) < self.size:
+            self.ctx.record.event("spares_short", wanted=self.size, got=len(hosts))
+            self.ctx.display.line(f"monarch-sky: hosts.spares={self.size} but only {len(hosts)} spare host(s) are up; "
+                                  "a lost host beyond those waits for a replacement")
+        await asyncio.gather(*(self._bring(host) for host in hosts))
+
+    def refill(self, lost: Host) -> None:
+        """A spare was used or dropped in place of `lost`: ask the provider for another."""
+        if self.ctx.finishing:
+            return
+        self.coming += 1
+        self.ctx.in_background(self._order(lost))
+
+    async def _order(self, lost: Host) -> None:
+        try:
+            host = await asyncio.wait_for(off_loop(self.ctx.provider.replace, lost), self.ctx.cfg.hosts.provision_timeout_s)
+        except Exception as e:
+            self.coming -= 1
+            self.ctx.record.event("spare_refill_failed", instead_of=lost.address, reason=describe_error(e))
+            return
+        self.coming -= 1
+        await self._bring(host)
+
+    async def _bring(self, host: Host) -> None:
+        """Attach `host` and warm a process set on it, watching the host meanwhile."""
+        ctx, began = self.ctx, time.monotonic()
+        work = asyncio.ensure_future(self._attach_and_warm(host))
+        try:
+            dead = await unless_a_host_dies(work, ctx.provider, [host], ctx.cfg.hosts.dead_after_s, PROBE_EVERY_S)
+            spare = work.result() if dead is None else None
+        except Exception as e:
+            return await self._failed(host, describe_error(e), alive=await ctx.provider.probe(host, PROBE_TIMEOUT_S))
+        if spare is None:
+            work.cancel()
+            ctx.background.add(work)
+            work.add_done_callback(ctx.background.discard)
+            return await self._failed(host, "its host died while it was being warmed", alive=False)
+        self.failures = 0
+        self.ready.append(spare)
+        ctx.record.event("spare_ready", host=host.address, warm=spare.group is not None,
+                         seconds=round(spare.ready_at - began, 3), pool=len(self.ready))
+        ctx.display.line(f"monarch-sky: spare host {host.name} ready ({'warm' if spare.group else 'attached'}, "
+                         f"{spare.ready_at - began:.1f}s); pool {len(self.ready)}/{self.size}")
+
+    async def _attach_and_warm(self, host: Host) -> Spare:
+        from monarch_sky.generations import attach_hosts
+
+        ctx = self.ctx
+        mesh = await attach_hosts(ctx, [host])
+        group = None
+        if self.warm:
+            group = ReplicaGroup(SPARE_INDEX, 0, [host], mesh, ctx.cfg.procs_per_replica, owner=f"s{self.made}")
+            self.made += 1
+            ctx.groups[group.owner] = group
+            ctx.router.watch(group.owner)
+            try:
+                await group.spawn(ctx.proc_env([host]), ctx.cfg.timeouts.spawn_s)
+            except BaseException:
+                self.forget(group)
+                group.proc_mesh = None  # the host may be dead: its worker stops them at the end
+                raise
+        return Spare(host, mesh, group, time.monotonic())
+
+    async def _failed(self, host: Host, reason: str, alive: bool) -> None:
+        """A spare that could not be brought up: a dead host is fenced and replaced; a live
+        one is given back to the provider, and the pool tries again a few times."""
+        self.failures += 1
+        self.ctx.record.event("spare_failed", host=host.address, reason=reason, host_alive=alive)
+        self.ctx.display.line(f"monarch-sky: spare host {host.name} could not be warmed: {reason}")
+        if self.ctx.finishing:
+            return
+        if alive:
+            self.ctx.provider.give_back(host)
+        else:
+            await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing spare host {host.name}")
+        if self.failures < MAX_FAILURES_IN_A_ROW:
+            self.refill(host)
+        else:
+            self.ctx.record.event("spares_given_up", failures=self.failures)
+            self.ctx.display.line(f"monarch-sky: {self.failures} spares in a row failed; the pool stops refilling")
+
+    async def take(self, lost: Host) -> Spare | None:
+        """A live spare for a group that lost `lost` (the pool refills in its place), or None."""
+        while self.ready:
+            spare = self.ready.pop(0)
+            alive = await self.ctx.provider.probe(spare.host, PROBE_TIMEOUT_S)
+            if alive and not self._broken(spare):
+                self.used += 1
+                self.refill(lost)
+                return spare
+            await self._drop(spare, "its host did not answer when it was needed" if not alive else spare.group.failure, alive)
+        return None
+
+    async def check(self) -> None:
+        """Probe the idle spares (with the watchdog's rule); drop a dead or broken one."""
+        spares = list(self.ready)
+        probes = await asyncio.gather(*(self.ctx.provider.probe(s.host, PROBE_TIMEOUT_S) for s in spares))
+        dead = self.watchdog.first_dead([s.host for s in spares], probes, time.monotonic())
+        for spare in spares:
+            if spare in self.ready and (spare.host == dead or self._broken(spare)):
+                self.ready.remove(spare)
+                alive = spare.host != dead
+                await self._drop(spare, spare.group.failure if alive else "its host died while idle", alive)
+
+    def _broken(self, spare: Spare) -> bool:
+        return spare.group is not None and spare.group.failure is not None
+
+    async def _drop(self, spare: Spare, reason: str, alive: bool) -> None:
+        """A dead spare host is fenced and replaced; a live one whose warm processes failed
+        gets a new process set."""
+        self.watchdog.forget(spare.host.address)
+        self.ctx.record.event("spare_lost", host=spare.host.address, reason=reason, host_alive=alive)
+        self.ctx.display.line(f"monarch-sky: spare host {spare.host.name} dropped: {reason}")
+        if spare.group is not None:
+            self.forget(spare.group)
+        if alive:
+            if spare.group is not None:
+                await spare.group.stop(self.ctx.cfg.timeouts.stop_s)
+            self.coming += 1
+            self.ctx.in_background(self._rewarm(spare.host))
+            return
+        if spare.group is not None:
+            spare.group.proc_mesh = None  # stopping it on a dead host could hang
+        await self.ctx.provider_call(self.ctx.provider.kill, spare.host, what=f"fencing spare host {spare.host.name}")
+        self.refill(spare.host)
+
+    async def _rewarm(self, host: Host) -> None:
+        self.coming -= 1
+        await self._bring(host)
+
+    def forget(self, group: ReplicaGroup) -> None:
+        self.ctx.router.unwatch(group.owner)
+        self.ctx.groups.pop(group.owner, None)
+
+    async def release(self) -> None:
+        """The run is over: tell the idle spares' workers (bootstrapped nodes then exit)."""
+        spares, self.ready = self.ready, []
+        await asyncio.gather(*(asyncio.wait_for(resolved(s.mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
+                               for s in spares), return_exceptions=True)
+
+    def summary(self) -> dict[str, Any]:
+        return {"size": self.size, "used": self.used, "ready": len(self.ready), "warm": self.warm}
