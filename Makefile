@@ -27,7 +27,7 @@ train: $(STAMP)
 	$(PY) -m monarch_sky train $(ARGS)
 
 test: $(STAMP) $(SKY_STAMP)
-	$(PY) -m pytest -m "not chaos" tests
+	$(PY) -m pytest -m "not chaos" --durations=25 tests
 
 chaos: $(STAMP)
 	$(PY) -m pytest -m chaos -s tests

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 
 from monarch_sky.hosts import Host, LocalHosts
 
@@ -49,16 +50,24 @@ class DiesOnArrivalHosts(LocalHosts):
 
 
 class SpareDiesIdleHosts(LocalHosts):
-    """The first spare host (`hosts.spares`) dies half a minute after the run starts it
-    (warm by then, or still warming on a slow machine), before any group needs it."""
+    """The first spare host (`hosts.spares`) dies two seconds after the run records it ready
+    (its `spare_ready` event), before any group needs it."""
 
-    DIES_AFTER_S = 30.0
+    events: Path | None = None  # the run's events.jsonl, set by main
 
     def spare_hosts(self, count: int) -> list[Host]:
         hosts = super().spare_hosts(count)
         if hosts:
-            threading.Timer(self.DIES_AFTER_S, self.kill, [hosts[0]]).start()
+            threading.Thread(target=self._kill_once_ready, args=(hosts[0],), daemon=True).start()
         return hosts
+
+    def _kill_once_ready(self, host: Host) -> None:
+        ready = f'"event": "spare_ready", "host": "{host.address}"'
+        while not self._closed.wait(0.5):
+            if self.events.exists() and ready in self.events.read_text():
+                time.sleep(2.0)
+                self.kill(host)
+                return
 
 
 PROVIDERS = {"fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts,
@@ -75,6 +84,7 @@ def main(kind: str, overrides: list[str]) -> int:
     job = load_job(overrides)
     cfg = job.config
     provider = PROVIDERS[kind](cfg.run_id, provision_delay_s=cfg.hosts.provision_delay_s)
+    provider.events = Path(cfg.run_dir) / cfg.run_id / "events.jsonl"
     return run_job(job, provider)
 
 

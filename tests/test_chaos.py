@@ -71,6 +71,28 @@ def test_repeated_host_loss_heals_on_a_replacement_host(tmp_path):
 
 
 @pytest.mark.chaos
+def test_two_host_losses_in_a_row_with_one_spare_lose_nothing(tmp_path):
+    # The first loss takes the warm spare; the second comes while the pool may still be
+    # refilling, and then takes the refill or a host of its own: nothing is lost either way.
+    timings = []
+    for seed in range(HOST_RUNS):
+        faults = f"host@20:{seed % 2},host@45:{(seed + 1) % 2}"
+        run = train(tmp_path / f"run{seed}", "replicas=2", "steps=200", f"faults={faults}", "hosts.spares=1",
+                    "hosts.provision_delay_s=1", f"seed={seed}")
+        assert run.returncode == 0, f"{faults}: {run.output[-3000:]}"
+        s = run.summary
+        assert s["unplanned_failures"] == [] and s["lost_replicas"] == [] and s["progress_lost"] == [], s
+        assert [f["recovered_from"] for f in s["faults"]] == ["peer", "peer"], s["faults"]
+        assert s["faults"][0]["host_replaced"]["spare"] is True, "the first loss took the spare"
+        assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 2
+        assert run.leftovers == [], run.leftovers
+        timings += s["faults"]
+    (tmp_path / "spare-timings.json").write_text(json.dumps(timings, indent=2))
+    print_medians("host", [t for t in timings if t["host_replaced"]["spare"]], label="host on a spare")
+    print_medians("host", [t for t in timings if not t["host_replaced"]["spare"]], label="host on a new host")
+
+
+@pytest.mark.chaos
 def test_a_chaos_schedule_of_every_kind_loses_nothing(tmp_path):
     # About 10 faults of mixed kinds at random times into random groups (chaos.every_s).
     run = train(
@@ -112,10 +134,10 @@ def test_chaos_on_groups_spanning_two_hosts_loses_nothing(tmp_path):
         print_medians(kind, [f for f in s["faults"] if f["kind"] == kind])
 
 
-def print_medians(kind: str, rows: list[dict]) -> None:
+def print_medians(kind: str, rows: list[dict], label: str = "") -> None:
     keys = ("detected_s", "survivors_resumed_s", "rejoined_s")
     medians = {
         key: round(statistics.median(t[key] for t in rows if t[key] is not None), 2)
         for key in keys if any(t[key] is not None for t in rows)
     }
-    print(f"\n{kind}: {len(rows)} faults, medians {medians}")
+    print(f"\n{label or kind}: {len(rows)} faults, medians {medians}")

@@ -256,12 +256,14 @@ def test_a_replacement_host_that_dies_during_the_build_is_replaced_in_turn(run_d
 
 
 def test_a_spare_that_dies_while_idle_is_replaced_and_a_later_host_loss_still_heals(run_dir):
-    # The spare dies idle (or, on a slow machine, while it is still warming).
+    # The spare dies two seconds after it is ready, long before the host fault.
     run = run_with_provider(run_dir, "spare-dies-idle", "replicas=2", "steps=250", "faults=host@120:1",
                             "hosts.spares=1", "hosts.provision_delay_s=1")
     assert_recovered(run, "host", replica=1, replicas=2)
-    [dropped] = [e for e in run.events if e["event"] in ("spare_lost", "spare_failed")]
-    assert not dropped["host_alive"], "the dead spare was noticed"
+    first = next(e for e in run.events if e["event"] == "spare_ready")
+    [dropped] = [e for e in run.events if e["event"] == "spare_lost"]
+    assert dropped["host"] == first["host"] and not dropped["host_alive"], "the dead idle spare was noticed"
+    assert dropped["reason"] == "its host died while idle"
     ready = [e for e in run.events if e["event"] == "spare_ready" and e["t"] > dropped["t"]]
     assert ready and ready[0]["host"] != dropped["host"], "and replaced"
     [replaced] = [e for e in run.events if e["event"] == "host_replaced"]
