@@ -48,7 +48,6 @@ class SparePool:
         self.ctx = ctx
         self.size = ctx.cfg.hosts.spares
         self.ready: list[Spare] = []
-        self.coming = 0  # spares being brought up
         self.made = 0  # spares brought up so far (names their process sets)
         self.used = 0
         self.failures = 0  # spares in a row that failed to come up
@@ -74,20 +73,24 @@ class SparePool:
 
     def refill(self, lost: Host) -> None:
         """A spare was used or dropped in place of `lost`: ask the provider for another."""
-        if self.ctx.finishing:
-            return
-        self.coming += 1
-        self.ctx.in_background(self._order(lost))
+        if not self.ctx.finishing:
+            self.ctx.in_background(self._order(lost))
 
     async def _order(self, lost: Host) -> None:
-        try:
-            host = await asyncio.wait_for(off_loop(self.ctx.provider.replace, lost), self.ctx.cfg.hosts.provision_timeout_s)
+        call = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
+        try:  # shield: a host that comes after the wait goes back to the provider, not lost
+            host = await asyncio.wait_for(asyncio.shield(call), self.ctx.cfg.hosts.provision_timeout_s)
         except Exception as e:
-            self.coming -= 1
-            self.ctx.record.event("spare_refill_failed", instead_of=lost.address, reason=describe_error(e))
+            call.add_done_callback(self._give_back_late)
+            timeout_s = self.ctx.cfg.hosts.provision_timeout_s
+            reason = f"no host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else describe_error(e)
+            self.ctx.record.event("spare_refill_failed", instead_of=lost.address, reason=reason)
             return
-        self.coming -= 1
         await self._bring(host)
+
+    def _give_back_late(self, call: asyncio.Future) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self.ctx.provider.give_back(call.result())
 
     async def _bring(self, host: Host) -> None:
         """Attach `host` and warm a process set on it, watching the host meanwhile."""
@@ -184,17 +187,12 @@ class SparePool:
         if alive:
             if spare.group is not None:
                 await spare.group.stop(self.ctx.cfg.timeouts.stop_s)
-            self.coming += 1
-            self.ctx.in_background(self._rewarm(spare.host))
+            self.ctx.in_background(self._bring(spare.host))
             return
         if spare.group is not None:
             spare.group.proc_mesh = None  # stopping it on a dead host could hang
         await self.ctx.provider_call(self.ctx.provider.kill, spare.host, what=f"fencing spare host {spare.host.name}")
         self.refill(spare.host)
-
-    async def _rewarm(self, host: Host) -> None:
-        self.coming -= 1
-        await self._bring(host)
 
     def forget(self, group: ReplicaGroup) -> None:
         self.ctx.router.unwatch(group.owner)
