@@ -88,6 +88,16 @@ class RunContext:
             self.record.event("provider_error", action=what, error=error)
             self.display.line(f"monarch-sky: {what} failed: {error}")
 
+    def watch_group(self, group) -> None:
+        """Attribute Monarch supervision failures of `group`'s meshes to it (owner name)."""
+        self.groups[group.owner] = group
+        self.router.watch(group.owner)
+
+    def forget_group(self, group) -> None:
+        """No more failures, shutdown or standby duty for `group`."""
+        self.router.unwatch(group.owner)
+        self.groups.pop(group.owner, None)
+
     def in_background(self, coro) -> asyncio.Task:
         """Run `coro` on its own; shutdown cancels it. Its errors are logged, not raised."""
         task = asyncio.ensure_future(coro)

@@ -198,8 +198,7 @@ class Generations:
         ctx = self.ctx
         group = ReplicaGroup(self.index, self.spawned, self.hosts, self.host_mesh, ctx.cfg.procs_per_replica)
         self.spawned += 1
-        ctx.groups[group.owner] = group
-        ctx.router.watch(group.owner)
+        ctx.watch_group(group)
         try:
             await group.spawn(ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s)
         except BaseException:
@@ -209,8 +208,7 @@ class Generations:
 
     def forget(self, group: ReplicaGroup) -> None:
         """No more failures, shutdown or standby duty for this generation."""
-        self.ctx.router.unwatch(group.owner)
-        self.ctx.groups.pop(group.owner, None)
+        self.ctx.forget_group(group)
 
     async def discard(self, group: ReplicaGroup) -> None:
         self.forget(group)

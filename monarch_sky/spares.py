@@ -22,12 +22,11 @@ from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog, unless_a_host_dies
+from monarch_sky.generations import PROBE_EVERY_S, PROBE_TIMEOUT_S, attach_hosts
 from monarch_sky.hosts import Host
 from monarch_sky.replica import ReplicaGroup
 from monarch_sky.supervision import describe_error, resolved
 
-PROBE_TIMEOUT_S = 2.0
-PROBE_EVERY_S = 0.5  # a spare's host is probed this often while it is warmed
 MAX_FAILURES_IN_A_ROW = 3  # spares that failed to come up before the pool stops refilling
 SPARE_INDEX = -1  # a warm process set in no group yet
 
@@ -114,20 +113,17 @@ class SparePool:
                          f"{spare.ready_at - began:.1f}s); pool {len(self.ready)}/{self.size}")
 
     async def _attach_and_warm(self, host: Host) -> Spare:
-        from monarch_sky.generations import attach_hosts
-
         ctx = self.ctx
         mesh = await attach_hosts(ctx, [host])
         group = None
         if self.warm:
             group = ReplicaGroup(SPARE_INDEX, 0, [host], mesh, ctx.cfg.procs_per_replica, owner=f"s{self.made}")
             self.made += 1
-            ctx.groups[group.owner] = group
-            ctx.router.watch(group.owner)
+            ctx.watch_group(group)
             try:
                 await group.spawn(ctx.proc_env([host]), ctx.cfg.timeouts.spawn_s)
             except BaseException:
-                self.forget(group)
+                ctx.forget_group(group)
                 group.proc_mesh = None  # the host may be dead: its worker stops them at the end
                 raise
         return Spare(host, mesh, group, time.monotonic())
@@ -183,7 +179,7 @@ class SparePool:
         self.ctx.record.event("spare_lost", host=spare.host.address, reason=reason, host_alive=alive)
         self.ctx.display.line(f"monarch-sky: spare host {spare.host.name} dropped: {reason}")
         if spare.group is not None:
-            self.forget(spare.group)
+            self.ctx.forget_group(spare.group)
         if alive:
             if spare.group is not None:
                 await spare.group.stop(self.ctx.cfg.timeouts.stop_s)
@@ -193,10 +189,6 @@ class SparePool:
             spare.group.proc_mesh = None  # stopping it on a dead host could hang
         await self.ctx.provider_call(self.ctx.provider.kill, spare.host, what=f"fencing spare host {spare.host.name}")
         self.refill(spare.host)
-
-    def forget(self, group: ReplicaGroup) -> None:
-        self.ctx.router.unwatch(group.owner)
-        self.ctx.groups.pop(group.owner, None)
 
     async def release(self) -> None:
         """The run is over: tell the idle spares' workers (bootstrapped nodes then exit)."""
