@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test chaos bench bench-heal bench-recovery e2e-sky e2e-sky-nodes clean
+.PHONY: train test e2e chaos bench bench-heal bench-recovery e2e-sky e2e-sky-nodes clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,7 +27,12 @@ train: $(STAMP)
 	$(PY) -m monarch_sky train $(ARGS)
 
 test: $(STAMP) $(SKY_STAMP)
-	$(PY) -m pytest -m "not chaos" --durations=25 tests
+	$(PY) -m pytest -m "not chaos and not e2e" --durations=25 tests
+
+# The longer end-to-end runs (about 25 minutes): host replacement edge cases, spares dying idle,
+# groups spanning hosts, DiLoCo's long sync, heals past the transport's timeout, the bootstrap on simulated nodes.
+e2e: $(STAMP) $(SKY_STAMP)
+	$(PY) -m pytest -m e2e --durations=25 tests
 
 chaos: $(STAMP)
 	$(PY) -m pytest -m chaos -s tests

@@ -11,6 +11,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO, Run, cli_env, leftovers, new_tag, train
 
 from monarch_sky.recipes import RECIPES
@@ -87,6 +89,7 @@ def test_segfault_recovers_from_warm_standby(run_dir):
     assert list(wandb_files.rglob("media/table/faults_*.table.json"))
 
 
+@pytest.mark.e2e
 def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(run_dir):
     # The next sync is ~50 steps after the respawn, further away than TorchFT's quorum timeout
     # of 3 s at this model's step time: a rejoiner that asked for its quorum at once would
@@ -114,6 +117,7 @@ def test_a_kill_heals_over_torchfts_http_transport_too(run_dir):
     assert run.summary["heal_transport"] == "http"
 
 
+@pytest.mark.e2e
 def test_a_heal_three_times_longer_than_the_transports_timeout_fails_no_group(run_dir):
     # Test settings: every bound of the heal transport is 1 s, and the serving side sends its
     # ~1.4 MB per connection at 0.4 MB/s, so the heal lasts ~3.5 s. Nothing may time out.
@@ -169,6 +173,7 @@ def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(r
     assert run.summary["spares"] == {"size": 1, "used": 1, "ready": 1, "warm": True}
 
 
+@pytest.mark.e2e
 def test_group_spanning_two_hosts_loses_one_and_heals_on_a_spare(run_dir):
     # Each group is one FSDP mesh over two hosts; the host fault takes one of group 1's, and
     # the spare host takes its place (attached, not warm: a spare holds no part of a group).
@@ -190,6 +195,7 @@ def test_group_spanning_two_hosts_loses_one_and_heals_on_a_spare(run_dir):
     assert run.summary["hosts_per_replica"] == 2
 
 
+@pytest.mark.e2e
 def test_replacement_host_never_arrives_training_finishes_without_it(run_dir):
     run = train(
         run_dir, "replicas=2", "steps=60", "faults=host@15:1",
@@ -230,6 +236,7 @@ def test_a_provider_error_during_respawn_costs_only_that_group_a_restart(run_dir
     assert error["replica"] == 1 and "provider API error 500" in error["error"]
 
 
+@pytest.mark.e2e
 def test_a_provider_call_that_never_returns_does_not_hold_the_run(run_dir):
     # The replacement host never comes and the provider call cannot be interrupted: the run
     # must still end (the test's timeout is far below the provider's hour).
@@ -242,6 +249,7 @@ def test_a_provider_call_that_never_returns_does_not_hold_the_run(run_dir):
     assert run.leftovers == [], run.leftovers
 
 
+@pytest.mark.e2e
 def test_a_replacement_host_that_dies_during_the_build_is_replaced_in_turn(run_dir):
     # The first replacement dies while the group's new generation spawns on it: the build
     # sees it (it does not wait out timeouts.spawn_s) and the group moves to another host.
@@ -255,6 +263,7 @@ def test_a_replacement_host_that_dies_during_the_build_is_replaced_in_turn(run_d
     assert run.leftovers == [], run.leftovers
 
 
+@pytest.mark.e2e
 def test_a_spare_that_dies_while_idle_is_replaced_and_a_later_host_loss_still_heals(run_dir):
     # The spare dies two seconds after it is ready, long before the host fault.
     run = run_with_provider(run_dir, "spare-dies-idle", "replicas=2", "steps=250", "faults=host@120:1",
@@ -271,6 +280,7 @@ def test_a_spare_that_dies_while_idle_is_replaced_and_a_later_host_loss_still_he
     assert run.summary["restarts"]["0"] == 0
 
 
+@pytest.mark.e2e
 def test_a_replacement_slower_than_the_wait_is_used_by_the_retry_not_ordered_again(run_dir):
     # The provider takes 3.5 s and the slot waits 2 s at a time: a retry waits for the same
     # request (a new request per try would never come in time), so the group rejoins on the

@@ -245,7 +245,10 @@ def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str, **extra
     }
 
 
-@pytest.mark.parametrize("nodes, per_group", [(3, 1), (4, 2)], ids=["group-per-node", "groups-span-2-nodes"])
+@pytest.mark.parametrize(
+    "nodes, per_group",
+    [pytest.param(3, 1, id="group-per-node"), pytest.param(4, 2, id="groups-span-2-nodes", marks=pytest.mark.e2e)],
+)
 def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path, nodes, per_group):
     tag, replicas = new_tag(), nodes // per_group
     args = f"steps=40 faults=kill@15:1 run_dir={tmp_path / 'runs'} wandb.mode=disabled"
