@@ -23,6 +23,8 @@ import statistics
 import time
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from monarch_sky import checkpoints
 from monarch_sky.checkpoints import CheckpointSpec, Found
 from monarch_sky.context import off_loop
@@ -30,25 +32,53 @@ from monarch_sky.context import off_loop
 HISTORY = 8  # steps of data positions kept per group, to note each group's at the saved step
 
 
+# What a checkpoint's weights and data position only make sense with: the run's shape, and the
+# settings that shape its schedule and batches. A resume under other values would mix two runs.
+SHAPE = ("recipe", "replicas", "procs_per_replica", "hosts_per_replica")
+SETTINGS = ("steps", "seed", "training.seq_len", "training.local_batch_size", "training.lr",
+            "training.warmup_steps", "data.dataset", "ft.mode", "ft.sync_steps")
+
+
+class CheckpointMismatch(ValueError):
+    """The run's checkpoint was saved by another run or under other settings."""
+
+
+def fingerprint(cfg) -> dict[str, Any]:
+    """The values a checkpoint's note records for `resume_from` to compare."""
+    return {key: OmegaConf.select(cfg, key) for key in (*SHAPE, *SETTINGS)}
+
+
 def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
-    """At a controller restart: the run's newest complete checkpoint, if it fits this run.
+    """At a controller restart: the run's newest complete checkpoint.
 
     Says what was found in `previous` (the `controller_restarted` event and the summary).
+    Raises CheckpointMismatch, naming the fields, when the checkpoint is another run's or was
+    saved under other settings: the run must not start over on top of it (TorchTitan's purge
+    would delete each new, lower-numbered save) nor load it.
     """
     folder = checkpoints.folder_for(cfg)
     found = checkpoints.newest(folder)
     previous["resumed_from_step"] = None
     if found is None:
         return None
-    keys = ("recipe", "replicas", "procs_per_replica", "hosts_per_replica")
-    shape = {k: found.note.get(k, 1 if k == "hosts_per_replica" else None) for k in keys}
-    wanted = {k: getattr(cfg, k) for k in keys}
-    if shape != wanted:
-        previous["checkpoint_unusable"] = f"the checkpoint at step {found.step} is for {shape}, this run is {wanted}"
-        return None
-    if found.note.get("run_id", cfg.run_id) != cfg.run_id:
-        previous["checkpoint_unusable"] = f"the checkpoint at step {found.step} belongs to run {found.note['run_id']}"
-        return None
+    owner = found.note.get("run_id", cfg.run_id)
+    if owner != cfg.run_id:
+        raise CheckpointMismatch(
+            f"the checkpoint at step {found.step} in {folder} belongs to run {owner}, not {cfg.run_id}: "
+            "give this run its own checkpoint.folder, or move that folder away"
+        )
+    saved = {**found.note.get("settings", {}), **{k: found.note[k] for k in SHAPE if k in found.note}}
+    saved.setdefault("hosts_per_replica", 1)  # notes older than groups spanning hosts
+    wanted = fingerprint(cfg)
+    differ = [k for k in wanted if k in saved and saved[k] != wanted[k]]
+    if differ:
+        raise CheckpointMismatch(
+            f"run {cfg.run_id}'s checkpoint at step {found.step} ({found.path}) was saved with "
+            + ", ".join(f"{k}={saved[k]}" for k in differ)
+            + "; this run asks " + ", ".join(f"{k}={wanted[k]}" for k in differ)
+            + ". Run again with the saved values to resume from it, or pick a new run_id to start"
+            " afresh (the checkpoint is kept either way)"
+        )
     previous["resumed_from_step"] = found.step
     previous["steps_lost"] = max(0, previous["last_step"] - found.step)
     previous["discarded_checkpoints"] = checkpoints.discard_newer(folder, found.step)
@@ -78,10 +108,7 @@ def restart_message(run_id: str, previous: dict[str, Any]) -> str:
             f"Resumed from the checkpoint at step {step}; lost {previous['steps_lost']} steps "
             f"(the last recorded step was {last})."
         )
-    unusable = f" ({previous['checkpoint_unusable']})" if previous.get("checkpoint_unusable") else ""
-    return said + (
-        f"There is no checkpoint{unusable}, so those {last} steps are lost: training starts again from step 0."
-    )
+    return said + f"There is no checkpoint, so those {last} steps are lost: training starts again from step 0."
 
 
 class CheckpointPolicy:
@@ -198,10 +225,10 @@ class CheckpointPolicy:
             states = self._history.get(slot.index, {}).get(step)
             data[str(slot.index)] = list(states if states is not None else slot.data_states)
         cfg = ctx.cfg
+        shape = fingerprint(cfg)
         note = {
-            "run_id": cfg.run_id, "saved_by": saver, "wall": round(time.time(), 3), "recipe": cfg.recipe,
-            "replicas": cfg.replicas, "procs_per_replica": cfg.procs_per_replica,
-            "hosts_per_replica": cfg.hosts_per_replica, "data_states": data,
+            "run_id": cfg.run_id, "saved_by": saver, "wall": round(time.time(), 3),
+            **{k: shape.pop(k) for k in SHAPE}, "settings": shape, "data_states": data,
         }
         path = await asyncio.wait_for(off_loop(checkpoints.write_note, self.folder, step, note), cfg.timeouts.stop_s)
         ctx.record.event("checkpoint_noted", step=step, path=str(path))

@@ -13,8 +13,8 @@ import signal
 import sys
 from datetime import datetime
 
-from monarch_sky.checkpoint_policy import attempt_from_checkpoint, restart_message, resume_from
-from monarch_sky.config import Job
+from monarch_sky.checkpoint_policy import CheckpointMismatch, attempt_from_checkpoint, restart_message, resume_from
+from monarch_sky.config import EXIT_CONFIG, Job
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
 from monarch_sky.outcome import failed, stopped
@@ -78,7 +78,11 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     resume = None
     if previous is not None:
         previous["reaped_processes"] = reap_run(run_id, EVERYTHING)
-        resume = resume_from(cfg, previous)  # the newest checkpoint, if the run has one
+        try:
+            resume = resume_from(cfg, previous)  # the newest checkpoint, if the run has one
+        except CheckpointMismatch as e:
+            print(f"monarch-sky: cannot resume run {run_id}: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         display.line(restart_message(run_id, previous))
     record = RunRecord(cfg.run_dir, run_id)
     if previous is not None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from omegaconf import OmegaConf
 
 from monarch_sky import checkpoints
-from monarch_sky.checkpoint_policy import restart_message, resume_from
+from monarch_sky.checkpoint_policy import SHAPE, CheckpointMismatch, fingerprint, restart_message, resume_from
 from monarch_sky.config import load_job
 
 
@@ -109,23 +110,41 @@ def test_a_restart_without_a_checkpoint_says_so(tmp_path):
     assert "There is no checkpoint, so those 12 steps are lost: training starts again from step 0" in restart_message("r1", previous)
 
 
-def test_a_checkpoint_of_another_shape_is_not_loaded(tmp_path):
+def test_a_checkpoint_of_another_shape_is_refused_and_kept(tmp_path):
     cfg = job(tmp_path, "procs_per_replica=1")
     make_step(checkpoints.folder_for(cfg), 20, note={"recipe": "llama3_tiny", "replicas": 2, "procs_per_replica": 2})
     previous = {"last_step": 25, "ended": "controller lost", "reaped_processes": 0}
-    assert resume_from(cfg, previous) is None
-    message = restart_message("r1", previous)
-    assert "procs_per_replica" in message and "starts again from step 0" in message
+    with pytest.raises(CheckpointMismatch) as e:
+        resume_from(cfg, previous)
+    assert "procs_per_replica=2" in str(e.value) and "procs_per_replica=1" in str(e.value)
+    assert checkpoints.newest(checkpoints.folder_for(cfg)).step == 20, "the checkpoint stays"
 
 
-def test_a_checkpoint_of_another_run_is_not_loaded(tmp_path):
+def test_a_checkpoint_saved_under_other_settings_names_each_one_and_the_fix(tmp_path):
+    saved = job(tmp_path)
+    note = fingerprint(saved)
+    note = {**{k: note.pop(k) for k in SHAPE}, "settings": note, "run_id": "r1"}
+    make_step(checkpoints.folder_for(saved), 20, note=note)
+    changed = job(tmp_path, "training.lr=0.5", "steps=999", "data.dataset=c4")
+    with pytest.raises(CheckpointMismatch) as e:
+        resume_from(changed, {"last_step": 25})
+    said = str(e.value)
+    for key in ("training.lr", "steps", "data.dataset"):
+        assert f"{key}={OmegaConf.select(saved, key)}" in said and f"{key}={OmegaConf.select(changed, key)}" in said
+    assert "seq_len" not in said, "only the fields that differ"
+    assert "Run again with the saved values" in said and "new run_id" in said
+    previous = {"last_step": 25}
+    assert resume_from(job(tmp_path), previous).step == 20, "the same settings resume"
+    assert previous["resumed_from_step"] == 20
+
+
+def test_a_checkpoint_of_another_run_is_refused_and_kept(tmp_path):
     cfg = job(tmp_path)
     note = {"run_id": "someone-else", "recipe": "llama3_tiny", "replicas": cfg.replicas,
             "procs_per_replica": cfg.procs_per_replica, "hosts_per_replica": cfg.hosts_per_replica}
     make_step(checkpoints.folder_for(cfg), 20, note=note)
-    previous = {"last_step": 25, "ended": "controller lost", "reaped_processes": 0}
-    assert resume_from(cfg, previous) is None
-    assert "belongs to run someone-else" in restart_message("r1", previous)
+    with pytest.raises(CheckpointMismatch, match="belongs to run someone-else"):
+        resume_from(cfg, {"last_step": 25})
     assert checkpoints.newest(checkpoints.folder_for(cfg)).step == 20, "nor deleted"
 
 
