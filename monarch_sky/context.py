@@ -105,6 +105,12 @@ class RunContext:
         task.add_done_callback(self._finished)
         return task
 
+    def keep(self, task: asyncio.Future) -> None:
+        """A task nobody awaits any more (often cancelled, its cleanup still running): shutdown
+        cancels and waits for it with the rest of the background."""
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+
     def _finished(self, task: asyncio.Task) -> None:
         self.background.discard(task)
         if not task.cancelled() and task.exception() is not None:

@@ -118,8 +118,7 @@ class Generations:
                 task = None
         if task is None:
             task = self.orders[lost] = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
-            self.ctx.background.add(task)  # cancelled at shutdown; a late host is given back below
-            task.add_done_callback(self.ctx.background.discard)
+            self.ctx.keep(task)  # cancelled at shutdown; a late host is given back below
         return task
 
     def give_back_hosts(self) -> None:
@@ -230,7 +229,7 @@ class Generations:
             return task.result()
         else:
             task.cancel()  # its cleanup waits on the dead host, bounded by timeouts.stop_s
-            self.ctx.background.add(task)
+            self.ctx.keep(task)
             return None
 
     def refill_standby(self) -> None:
@@ -246,8 +245,7 @@ class Generations:
         if host is None:
             return build.result()
         build.cancel()  # its cleanup (bounded by timeouts.stop_s) goes on without us
-        self.ctx.background.add(build)
-        build.add_done_callback(self.ctx.background.discard)
+        self.ctx.keep(build)
         raise HostError(f"host {host.name} ({host.address}) died while generation {self.spawned - 1} was being built")
 
     async def _build(self, rejoining: bool, data: tuple) -> tuple[ReplicaGroup, bool, dict]:

@@ -102,8 +102,7 @@ class SparePool:
             return await self._failed(host, describe_error(e), alive=await ctx.provider.probe(host, PROBE_TIMEOUT_S))
         if spare is None:
             work.cancel()
-            ctx.background.add(work)
-            work.add_done_callback(ctx.background.discard)
+            ctx.keep(work)
             return await self._failed(host, "its host died while it was being warmed", alive=False)
         self.failures = 0
         self.ready.append(spare)
