@@ -26,6 +26,7 @@ from monarch_sky.hosts import HostProvider
 from monarch_sky.injector import FaultInjector
 from monarch_sky.ledger import StatusCounts, StepLedger
 from monarch_sky.progress import Display
+from monarch_sky.shutdown import stop_everything
 from monarch_sky.slot import Slot, SlotState
 from monarch_sky.spares import SparePool
 from monarch_sky.summary import build_summary
@@ -59,6 +60,7 @@ class Controller:
         self.watchdog = HostWatchdog(cfg.hosts.dead_after_s)
         self._pinging: set = set()  # groups whose hang check is running
         self.previous_controller = previous_controller
+        self.left_running: list[str] = []  # the run's processes its orderly stop missed (shutdown.py)
 
     async def run(self) -> dict[str, Any]:
         ctx = self.ctx
@@ -84,14 +86,17 @@ class Controller:
             await self._drive_all()
             ctx.ledger.flush(final=True)
             final, errors = await self._final_states()
-            return build_summary(ctx, self.slots, final, errors, self.previous_controller)
+            summary = build_summary(ctx, self.slots, final, errors, self.previous_controller)
         finally:
-            await self._shutdown()
+            self.left_running = await stop_everything(ctx, self.slots, self.lighthouse)
+        summary["left_running"] = self.left_running
+        return summary
 
     def partial_summary(self, outcome: dict[str, Any]) -> dict[str, Any]:
         """The summary of a run that was stopped or failed before its end."""
         summary = build_summary(self.ctx, self.slots, {}, {}, self.previous_controller)
         summary["outcome"] = outcome
+        summary["left_running"] = self.left_running
         return summary
 
     def _training(self) -> list[Slot]:
@@ -260,35 +265,3 @@ class Controller:
             else:
                 final[str(slot.index)] = result
         return final, errors
-
-    async def _shutdown(self) -> None:
-        """Stop everything the run started, within about timeouts.stop_s in all."""
-        ctx = self.ctx
-        ctx.finishing = True
-        deadline = time.monotonic() + ctx.cfg.timeouts.stop_s
-        for task in list(ctx.background):
-            task.cancel()
-        stop_s = ctx.cfg.timeouts.stop_s
-        await self._within(deadline, "standbys", asyncio.gather(
-            *(s.gens.close_standby() for s in self.slots), *ctx.background, return_exceptions=True))
-        await self._within(deadline, "replica groups", asyncio.gather(
-            *(g.close(stop_s) for g in list(ctx.groups.values())), return_exceptions=True))
-        await self._within(deadline, "hosts", asyncio.gather(
-            *(s.gens.release() for s in self.slots), ctx.spares.release(), return_exceptions=True))
-        if ctx.router is not None:
-            ctx.router.uninstall()
-        try:  # the provider gets a few seconds even when the stages above used up the time
-            await asyncio.wait_for(off_loop(ctx.provider.shutdown), max(deadline - time.monotonic(), 5.0))
-        except Exception as e:
-            reason = "did not finish in time" if isinstance(e, asyncio.TimeoutError) else str(e)
-            ctx.record.event("provider_error", action="shutdown", error=reason)
-            ctx.display.line(f"monarch-sky: releasing the hosts: {reason}")
-        if self.lighthouse is not None:
-            self.lighthouse.shutdown()
-
-    async def _within(self, deadline: float, what: str, awaitable) -> None:
-        try:
-            await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.5))
-        except asyncio.TimeoutError:
-            self.ctx.record.event("shutdown_stage_timed_out", stage=what)
-            log.warning("stopping the %s took longer than timeouts.stop_s; moving on", what)

@@ -74,6 +74,10 @@ class HostProvider(abc.ABC):
     def controller_ip(self) -> str:
         """The address the hosts reach the controller (and the lighthouse) on."""
 
+    def host_pids(self) -> set[int]:
+        """The host workers this provider runs on this machine (none but the local ones)."""
+        return set()
+
     def replace(self, lost: Host) -> Host:
         """A host, worker listening, for the group that ran on `lost`: a live spare if there
         is one, else a new one (`provision`). Blocks while capacity is provisioned; raises
@@ -189,6 +193,10 @@ class LocalHosts(HostProvider):
 
     def controller_ip(self) -> str:
         return "127.0.0.1"
+
+    def host_pids(self) -> set[int]:
+        with self.lock:
+            return {proc.pid for proc in self.procs.values()}
 
     def kill(self, host: Host) -> None:
         with self.lock:

@@ -17,6 +17,7 @@ from monarch.actor import Actor, endpoint
 
 from monarch_sky import digest as digest_mod
 from monarch_sky import platform as platform_mod
+from monarch_sky import test_hooks
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.step_result import StepResult, combine
 from monarch_sky.supervision import resolved
@@ -56,6 +57,7 @@ class ReplicaActor(Actor):
         data_state = data_states[rank] if data_states else None
         self.spec = spec
         self.trainer = GroupTrainer(self.spec, rejoining, data_state)
+        test_hooks.leak_a_process(spec.replica, rank)
         plat = self.trainer.platform
         platform_mod.yield_cpu_to_recovery(plat.kind)
         return {

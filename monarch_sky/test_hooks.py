@@ -13,6 +13,7 @@ PERTURB_REPLICA_ENV = "MONARCH_SKY_TEST_PERTURB_REPLICA"
 BATCH_LOG_ENV = "MONARCH_SKY_TEST_BATCH_LOG"
 HEAL_PACE_ENV = "MONARCH_SKY_TEST_HEAL_PACE"
 HEAL_TIMEOUT_ENV = "MONARCH_SKY_TEST_HEAL_TIMEOUT_S"
+LEAK_ENV = "MONARCH_SKY_TEST_LEAK"
 
 
 def refuse_rejoin_commit() -> bool:
@@ -39,3 +40,12 @@ def heal_pace_bytes_per_s() -> float:
 def heal_timeout_s() -> float:
     """The heal transport's every bound, made small on purpose (0: the run's `ft.timeout_s`)."""
     return float(os.environ.get(HEAL_TIMEOUT_ENV, "0") or 0)
+
+
+def leak_a_process(replica: int, rank: int) -> None:
+    """Rank 0 of this replica starts a process in its own session that outlives the run's
+    orderly stop (a negative control for the summary's `left_running`)."""
+    if os.environ.get(LEAK_ENV) == str(replica) and rank == 0:
+        import subprocess
+
+        subprocess.Popen(["sleep", "600"], start_new_session=True)

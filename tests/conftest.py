@@ -67,7 +67,10 @@ def train(
         text=True,
         timeout=timeout_s,
     )
-    return Run(proc.returncode, proc.stdout + proc.stderr, tmp_path / tag, leftovers(tag))
+    run = Run(proc.returncode, proc.stdout + proc.stderr, tmp_path / tag, leftovers(tag))
+    if (run.path / "summary.json").exists():  # what outlived the run's orderly stop, before its reap
+        run.leftovers += [f"left running at the stop: {p}" for p in run.summary.get("left_running", [])]
+    return run
 
 
 def leftovers(tag: str, grace_s: float = 10.0) -> list[str]:

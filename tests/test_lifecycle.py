@@ -13,6 +13,7 @@ import pytest
 from conftest import REPO, cli_env, leftovers, new_tag, train, train_command
 
 from monarch_sky import checkpoints
+from monarch_sky.test_hooks import LEAK_ENV
 
 
 def wait_for_event(path, name: str, timeout_s: float) -> None:
@@ -76,6 +77,19 @@ def test_new_controller_reaps_a_dead_controllers_processes(tmp_path):
     assert restart["last_step"] > 0
     assert run.summary["previous_controller"]["last_step"] == restart["last_step"]
     assert run.leftovers == []
+
+
+def test_a_process_that_outlives_the_runs_stop_is_named_in_the_summary_then_killed(tmp_path):
+    # The negative control of every test's `run.leftovers == []`: rank 0 of group 1 starts a
+    # process in its own session, which the orderly stop (groups, then hosts) cannot reach.
+    run = train(tmp_path, "replicas=2", "procs_per_replica=1", "steps=6", "faults=none", "ft.standby=false",
+                env={LEAK_ENV: "1"})
+    assert run.returncode == 0, run.output[-3000:]
+    [left] = run.summary["left_running"]
+    assert left.endswith(": sleep 600"), left
+    assert [e["processes"] for e in run.events if e["event"] == "left_running"] == [[left]]
+    assert "outlived its stop" in run.output
+    assert run.leftovers == [f"left running at the stop: {left}"], "and the run's reap still killed it"
 
 
 def test_a_finished_run_id_is_not_trained_again_and_says_how_it_ended(tmp_path):
