@@ -57,7 +57,8 @@ e2e-sky: $(STAMP) $(SKY_STAMP)
 
 # The same on three Slurm nodes (network namespaces on this machine, root): a worker node is lost
 # mid-run and comes back (its worker on a moved port); its group must heal from a peer (E2E_EXPECT=lost: be
-# given up, training ending degraded on the others). Knobs: see tools/e2e_sky_nodes.sh.
+# given up, training ending degraded on the others). E2E_SPARES=1: four nodes, one a hot spare (the
+# cloud recipes' shape): the lost node's group moves onto it. Knobs: see tools/e2e_sky_nodes.sh.
 e2e-sky-nodes: $(STAMP) $(SKY_STAMP)
 	bash tools/e2e_sky_nodes.sh
 

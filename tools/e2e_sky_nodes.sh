@@ -32,6 +32,12 @@
 #   node), so the SkyPilot job stays RUNNING after training ends; the script reports it and
 #   tears the cluster down.
 #
+# E2E_SPARES=1 (the cloud recipes' shape, SPARE_NODES=1): FOUR nodes, the fourth a hot spare
+# (e2e-n4, warm processes, in no group). When e2e-n3 is lost, group 2 moves onto the spare at once
+# (no provisioning, no cold spawn) and heals from a peer; e2e-n3's worker, once it is back, is
+# the pool's new spare. Passes (E2E_EXPECT=heal) when group 2 rejoined on e2e-n4 and e2e-n3 was
+# made ready as the spare before the run ended.
+#
 # E2E_LOSS picks the loss (default node):
 #   node    as above: a power cut, then slurmd comes back with the machine's boot time unchanged
 #           (a daemon restart to Slurm), and the worker is started again.
@@ -58,7 +64,9 @@ INFRA=e2enodes                  # the Host alias in ~/.slurm/config: slurm/$INFR
 NET=10.77.0
 LOGIN=$NET.254
 BR=e2e-br0
-NODES=3
+SPARES=${E2E_SPARES:-0}          # hot spare nodes after the 3 training nodes (SPARE_NODES)
+[[ "$SPARES" =~ ^[01]$ ]] || { echo "[e2e-sky-nodes] E2E_SPARES=$SPARES: 0 or 1" >&2; exit 2; }
+NODES=$((3 + SPARES))
 SSH_PORT=2222
 PROXY_PORT=3128
 WORKER_PORT=26600
@@ -69,7 +77,7 @@ EXPECT=${E2E_EXPECT:-heal}       # heal | lost (see the header)
 BACK_PORT=${E2E_BACK_PORT:-$WORKER_PORT}  # the port the lost node's worker comes back on
 DOWN_S=${E2E_DOWN_S:-20}
 PROVISION_TIMEOUT_S=${E2E_PROVISION_TIMEOUT_S:-300}
-LOST=$NODES                     # the node taken away: e2e-n3, node rank 2, replica group 2
+LOST=3                          # the node taken away: e2e-n3, node rank 2, replica group 2
 WORK=/var/tmp/e2e-sky-nodes     # node disks (bound over each node's /tmp), logs, generated files
 LOG=$WORK/launch.log            # `sky launch` output
 TSLOG=$WORK/launch.ts.log       # the same, each line prefixed with its arrival time
@@ -98,7 +106,7 @@ kill_node() {  # kill_node I: SIGKILL every process in node I's network namespac
 }
 teardown_net() {
   local i
-  for ((i = 1; i <= NODES; i++)); do
+  for ((i = 1; i <= 4; i++)); do  # 4: what an earlier try with E2E_SPARES=1 may have left
     kill_node "$i"
     rm -f "/run/slurmd-$(ns "$i").pid"
     ip netns del "$(ns "$i")" 2> /dev/null || true
@@ -320,7 +328,7 @@ if [ "${E2E_STOP_AFTER:-}" = cluster ]; then
 fi
 
 # The recipe as it is, plus one line in `run` that prints what SkyPilot gave the node.
-YAML=$WORK/debug-3nodes.yaml
+YAML=$WORK/debug-${NODES}nodes.yaml
 sed -e "s|^workdir: .*|workdir: $REPO|" \
   -e '/^run: |/a\  echo "[e2e-sky-nodes] node rank $SKYPILOT_NODE_RANK of $SKYPILOT_NUM_NODES on $(hostname): SKYPILOT_NODE_IPS=$(echo $SKYPILOT_NODE_IPS)"' \
   "$REPO/recipes/debug.yaml" > "$YAML"
@@ -341,7 +349,7 @@ else
   TORCH_ENV=(TORCH_SPEC=torch==2.13.0 MONARCH_SKY_PYTHON="$(/usr/bin/python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')")
   say "no local torch 2.13.0 CPU wheel: the nodes install PyPI's torch==2.13.0 (the CUDA build: slow, GBs)"
 fi
-TASK_ENV=(REPLICAS_PER_NODE=1 PROCS_PER_REPLICA=1 WORKER_PORT=$WORKER_PORT RECIPE=llama3_tiny
+TASK_ENV=(REPLICAS_PER_NODE=1 PROCS_PER_REPLICA=1 SPARE_NODES=$SPARES WORKER_PORT=$WORKER_PORT RECIPE=llama3_tiny
   "${TORCH_ENV[@]}" TORCH_CPU_INDEX=https://pypi.org/simple
   "MONARCH_SKY_ARGS=steps=$STEPS faults=none wandb.mode=disabled hosts.provision_timeout_s=$PROVISION_TIMEOUT_S")
 if [ "${E2E_SHARED_VENV:-0}" != 1 ]; then
@@ -485,11 +493,13 @@ fi
 # --- checks and timings -----------------------------------------------------------------------
 CHECK=0
 /usr/bin/python3 - "$SUMMARY" "$TSLOG" "$T_LAUNCH" "${T_FIRST:-0}" "$T_KILL" "$T_BACK" "$T_DONE" \
-  "$STEPS" "$((LOST - 1))" "$NET.$LOST:$BACK_PORT" "$JOB_END" "$EXPECT" << 'EOF' || CHECK=$?
+  "$STEPS" "$((LOST - 1))" "$NET.$LOST:$BACK_PORT" "$JOB_END" "$EXPECT" "$SPARES" "$NET.$NODES" << 'EOF' || CHECK=$?
 import json, pathlib, sys
 
 summary_path, tslog, t_launch, t_first, t_kill, t_back, t_done = sys.argv[1:8]
 steps, lost, back_addr, job_end, expect = int(sys.argv[8]), int(sys.argv[9]), sys.argv[10], sys.argv[11], sys.argv[12]
+spares, spare_ip = int(sys.argv[13]), sys.argv[14]
+node_ip = back_addr.rsplit(":", 1)[0]  # the lost node's worker comes back on this node, on a moved port
 t_launch, t_first, t_kill, t_back, t_done = map(float, (t_launch, t_first, t_kill, t_back, t_done))
 s = json.loads(pathlib.Path(summary_path).read_text())
 events = [json.loads(l) for l in (pathlib.Path(summary_path).parent / "events.jsonl").read_text().splitlines() if l.strip()]
@@ -513,13 +523,19 @@ detected = first("failure_detected", replica=lost)
 host_lost = first("host_lost", replica=lost)
 replaced = first("host_replaced", replica=lost)
 rejoined = first("replica_rejoined", replica=lost)
+
+def ip_of(event):
+    return event and event.get("host", "").split("://")[-1].rsplit(":", 1)[0]
+
+refilled = next((e for e in events if e["event"] == "spare_ready" and ip_of(e) == node_ip), None)
 rows = [
     ("sky launch to setup start (provision + runtime)", t_setup and t_setup - t_launch),
-    ("setup (sky/setup.sh on 3 nodes)", t_setup and t_run and t_run - t_setup),
+    (f"setup (sky/setup.sh on {3 + spares} nodes)", t_setup and t_run and t_run - t_setup),
     ("sky launch to first committed step", t_first and t_first - t_launch),
     ("node lost to failure detected", detected and detected["wall"] - t_kill),
     ("node lost to slurmd back + worker restart begun", t_back - t_kill),
-    ("node lost to host re-attached", replaced and replaced["wall"] - t_kill),
+    ("node lost to host re-attached" + (" (the spare taken)" if spares else ""), replaced and replaced["wall"] - t_kill),
+    *([("node lost to the lost node ready as the new spare", refilled and refilled["wall"] - t_kill)] if spares else []),
     ("node lost to re-attach given up", (lambda e: e and e["wall"] - t_kill)(first("host_replacement_failed", replica=lost))),
     ("node lost to group rejoined (healed)", rejoined and rejoined["wall"] - t_kill),
     ("sky launch to summary", t_done - t_launch),
@@ -541,9 +557,11 @@ digests = s["final_param_digest"]
 if expect == "heal":
     if len(digests) != 3 or len(set(digests.values())) != 1:
         problems.append(f"final digests not 3 equal ones: {digests}")
-    node_ip = back_addr.rsplit(":", 1)[0]  # the worker comes back on this node, on a moved port
-    if replaced is None or not replaced.get("host", "").split("://")[-1].startswith(node_ip + ":"):
-        problems.append(f"replica {lost}'s host was not re-attached on {node_ip}: {replaced}")
+    want_ip = spare_ip if spares else node_ip
+    if replaced is None or ip_of(replaced) != want_ip or bool(replaced.get("spare")) != bool(spares):
+        problems.append(f"replica {lost}'s host was not re-attached on {want_ip}{' (the spare)' if spares else ''}: {replaced}")
+    if spares and refilled is None:
+        problems.append(f"the lost node {node_ip} never became the new spare (no spare_ready for it)")
     if rejoined is None or rejoined.get("recovered_from") != "peer":
         problems.append(f"replica {lost} did not rejoin healed from a peer: {rejoined}")
     if s["outcome"]["status"] != "ok":
@@ -566,7 +584,11 @@ sys.exit(1 if problems else 0)
 EOF
 [ "$CHECK" = 0 ] || die "the run did not end as E2E_EXPECT=$EXPECT says (above)"
 if [ "$EXPECT" = heal ]; then
-  say "passed: SkyPilot ran the recipe on $NODES Slurm nodes; node $(ns $LOST) was lost at committed step $step, came back on $NET.$LOST (its worker on a moved port) and its group healed from a peer (SkyPilot job: $JOB_END)"
+  if [ "$SPARES" = 1 ]; then
+    say "passed: SkyPilot ran the recipe on $NODES Slurm nodes (one a hot spare); node $(ns $LOST) was lost at committed step $step, its group moved onto the spare $(ns $NODES) and healed from a peer, and $(ns $LOST) came back as the new spare (SkyPilot job: $JOB_END)"
+  else
+    say "passed: SkyPilot ran the recipe on $NODES Slurm nodes; node $(ns $LOST) was lost at committed step $step, came back on $NET.$LOST (its worker on a moved port) and its group healed from a peer (SkyPilot job: $JOB_END)"
+  fi
 else
   say "passed (E2E_EXPECT=lost): node $(ns $LOST) was lost at committed step $step, its group was given up and training finished on the other two, degraded (SkyPilot job: $JOB_END)"
 fi
