@@ -110,14 +110,19 @@ class Generations:
 
     async def _order(self, lost: Host) -> asyncio.Future:
         """The request for a host in place of `lost`: the one already out, unless it failed
-        or brought a host that died since; then a new one."""
+        or brought a host that died since; then the spare pool's refill in flight, if it has
+        one (it was ordered earlier), else a new one."""
         task = self.orders.get(lost)
         if task is not None and task.done():
             failed = task.cancelled() or task.exception() is not None
             if failed or not await self.ctx.provider.probe(task.result(), PROBE_TIMEOUT_S):
                 task = None
+        if task is None and (task := self.ctx.spares.claim_refill(lost)) is not None:
+            self.ctx.record.event("spare_refill_claimed", replica=self.index, instead_of=lost.address)
         if task is None:
-            task = self.orders[lost] = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
+            task = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
+        if self.orders.get(lost) is not task:
+            self.orders[lost] = task
             self.ctx.keep(task)  # cancelled at shutdown; a late host is given back below
         return task
 

@@ -6,7 +6,8 @@ where a group is one host, holding a warm process set shaped like a group's gene
 once instead of waiting for the provider (`Generations.replace_hosts`); its warm process set
 becomes the group's next generation, which only builds its trainer and heals from a peer.
 The provider then brings a new spare in the background: a new worker (local), the lost
-node's worker once it is back (address list), a launched cluster (SkyPilot).
+node's worker once it is back (address list), a launched cluster (SkyPilot). A group that
+loses a host while no spare is ready claims a refill still on its way (`claim_refill`).
 
 A spare whose host dies while idle, or whose warm processes fail, is dropped and refilled;
 a spare's host is never used by two groups, and every host the pool got is used, kept or
@@ -50,6 +51,7 @@ class SparePool:
         self.made = 0  # spares brought up so far (names their process sets)
         self.used = 0
         self.failures = 0  # spares in a row that failed to come up
+        self.refills: dict[asyncio.Task, asyncio.Future] = {}  # refill (its _order) -> provider call in flight
         self.watchdog = HostWatchdog(ctx.cfg.hosts.dead_after_s)
 
     @property
@@ -77,6 +79,8 @@ class SparePool:
 
     async def _order(self, lost: Host) -> None:
         call = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
+        me = asyncio.current_task()
+        self.refills[me] = call
         try:  # shield: a host that comes after the wait goes back to the provider, not lost
             host = await asyncio.wait_for(asyncio.shield(call), self.ctx.cfg.hosts.provision_timeout_s)
         except Exception as e:
@@ -85,7 +89,21 @@ class SparePool:
             reason = f"no host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else describe_error(e)
             self.ctx.record.event("spare_refill_failed", instead_of=lost.address, reason=reason)
             return
+        finally:
+            self.refills.pop(me, None)
         await self._bring(host)
+
+    def claim_refill(self, lost: Host) -> asyncio.Future | None:
+        """A refill the provider has not delivered yet, for a group that lost `lost` while no
+        spare was ready: the group gets that host when it comes (ordered before the group's own
+        would be), and the pool orders another for itself. None if no refill is in flight."""
+        for order, call in list(self.refills.items()):
+            if not call.done():
+                del self.refills[order]
+                order.cancel()  # the pool stops waiting; the call itself goes on, for the group
+                self.refill(lost)
+                return call
+        return None
 
     def _give_back_late(self, call: asyncio.Future) -> None:
         if not call.cancelled() and call.exception() is None:

@@ -174,6 +174,25 @@ def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(r
 
 
 @pytest.mark.e2e
+def test_a_second_host_loss_while_the_pool_refills_takes_the_refill_in_flight(run_dir):
+    # One spare, a 15 s provider: group 0's loss takes the spare and the pool orders a refill;
+    # group 1's loss, 15 steps later, finds no spare ready and claims that refill (ordered
+    # before its own could be) instead of ordering a host; the pool orders another for itself.
+    run = train(run_dir, "replicas=3", "steps=200", "faults=host@10:0,host@25:1", "hosts.spares=1",
+                "hosts.provision_delay_s=15")
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert s["unplanned_failures"] == [] and s["lost_replicas"] == [], s
+    assert [(f["replica"], f["recovered_from"]) for f in s["faults"]] == [(0, "peer"), (1, "peer")], s["faults"]
+    assert [f["host_replaced"]["spare"] for f in s["faults"]] == [True, False]
+    claims = [e for e in run.events if e["event"] == "spare_refill_claimed"]
+    assert [e["replica"] for e in claims] == [1], claims
+    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 3
+    assert s["spares"]["used"] == 1
+    assert run.leftovers == [], run.leftovers
+
+
+@pytest.mark.e2e
 def test_group_spanning_two_hosts_loses_one_and_heals_on_a_spare(run_dir):
     # Each group is one FSDP mesh over two hosts; the host fault takes one of group 1's, and
     # the spare host takes its place (attached, not warm: a spare holds no part of a group).
