@@ -175,11 +175,11 @@ def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(r
 
 @pytest.mark.e2e
 def test_a_second_host_loss_while_the_pool_refills_takes_the_refill_in_flight(run_dir):
-    # One spare, a 15 s provider: group 0's loss takes the spare and the pool orders a refill;
-    # group 1's loss, 15 steps later, finds no spare ready and claims that refill (ordered
-    # before its own could be) instead of ordering a host; the pool orders another for itself.
+    # One spare, a 40 s provider: group 0's loss takes the spare and the pool orders a refill;
+    # group 1's loss, 15 steps (here 15-20 s) later, finds no spare ready and claims that refill
+    # (ordered before its own could be) instead of ordering a host; the pool orders another.
     run = train(run_dir, "replicas=3", "steps=200", "faults=host@10:0,host@25:1", "hosts.spares=1",
-                "hosts.provision_delay_s=15")
+                "hosts.provision_delay_s=40")
     assert run.returncode == 0, run.output[-4000:]
     s = run.summary
     assert s["unplanned_failures"] == [] and s["lost_replicas"] == [], s
