@@ -225,10 +225,10 @@ class CheckpointPolicy:
             states = self._history.get(slot.index, {}).get(step)
             data[str(slot.index)] = list(states if states is not None else slot.data_states)
         cfg = ctx.cfg
-        shape = fingerprint(cfg)
+        settings = fingerprint(cfg)
         note = {
             "run_id": cfg.run_id, "saved_by": saver, "wall": round(time.time(), 3),
-            **{k: shape.pop(k) for k in SHAPE}, "settings": shape, "data_states": data,
+            **{k: settings.pop(k) for k in SHAPE}, "settings": settings, "data_states": data,
         }
         path = await asyncio.wait_for(off_loop(checkpoints.write_note, self.folder, step, note), cfg.timeouts.stop_s)
         ctx.record.event("checkpoint_noted", step=step, path=str(path))
