@@ -1,24 +1,90 @@
-"""`monarch-sky` command line: train, worker, doctor, bench, report, tls-ca, tls-node, fetch-tokenizer."""
+"""`monarch-sky` command line: train, config, worker, doctor, bench, report, tls-ca, tls-node, fetch-tokenizer.
+
+Every subcommand imports what it runs only once chosen: `--help` and `tls-ca` load no torch."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="monarch-sky", description="Fault-tolerant TorchTitan training with Monarch + TorchFT."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
+EXAMPLES = """examples:
+  monarch-sky train                                  the tiny CPU llama: 3 groups, one kill healed live
+  monarch-sky train replicas=2 steps=60 faults=kill@20:1
+  monarch-sky train --config job.yaml steps=500      a YAML file of the same keys, overrides on top
+  monarch-sky config recipe=llama3_8b                the resolved settings, validated (exit 2 on errors)
+  monarch-sky report runs/RUN_ID                     a past run's table and timeline
+settings are KEY=VALUE everywhere (--key value is read the same); `monarch-sky train --help` lists the keys.
+"""
+TAKES_KEYS = ("train", "config")  # subcommands whose settings are the job config's keys
+OWN_FLAGS = {"--config", "--log-level", "-h", "--help"}
 
-    train = sub.add_parser("train", help="train a recipe across replica groups")
-    train.add_argument(
-        "overrides",
-        nargs="*",
-        metavar="KEY=VALUE",
-        help="config overrides, e.g. replicas=2 steps=60 faults=kill@20:1",
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with key help appended on demand and a hint when a flag is unknown."""
+
+    def __init__(self, *args, more_help=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.more_help = more_help
+
+    def format_help(self) -> str:
+        extra = self.more_help() if self.more_help else ""
+        return super().format_help() + (f"\n{extra}\n" if extra else "")
+
+    def error(self, message: str):
+        if "unrecognized arguments" in message:
+            message += ("\ntrain, config and bench take settings as KEY=VALUE (replicas=2, training.lr=0.001); "
+                        "`monarch-sky COMMAND --help` lists what a command takes")
+        super().error(message)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = argv[0] if argv else None
+    if command in TAKES_KEYS:
+        argv = [command, *_flags_as_keys(argv[1:])]
+    elif command == "bench":
+        argv = [command, *_keys_as_flags(argv[1:])]
+    args = _parser(command).parse_args(argv)
+    if args.command == "fetch-tokenizer":
+        return _fetch_tokenizer(args)
+    if args.command in ("bench", "report"):
+        return _bench_or_report(args)
+    if args.command in ("tls-ca", "tls-node"):
+        return _tls(args)
+    if args.command == "config":
+        return _config(args)
+    from monarch_sky import supervision
+
+    supervision.configure_monarch_env()  # before anything imports Monarch
+    if args.command == "doctor":
+        from monarch_sky import doctor as doctor_mod
+
+        workers = [w for w in args.workers.split(",") if w.strip()]
+        return doctor_mod.run(workers, args.lighthouse, args.expect_gpus, args.wait)
+    if args.command == "worker":
+        from monarch_sky import worker as worker_mod
+
+        worker_mod.run(args.address, args.until_shutdown)
+        return 0
+    return _train(args)
+
+
+def _parser(command: str | None) -> Parser:
+    parser = Parser(
+        prog="monarch-sky", description="Fault-tolerant TorchTitan training with Monarch + TorchFT.",
+        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train = sub.add_parser("train", help="train a recipe across replica groups", more_help=_keys_help,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    _job_arguments(train)
+    train.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
+                       help="the controller's log level (default: $MONARCH_SKY_LOG or warning); "
+                       "every level's full log is in the run folder's controller.log")
+    config = sub.add_parser("config", help="print the resolved config of a train command, validated (exit 2 on errors)")
+    _job_arguments(config)
 
     worker = sub.add_parser("worker", help="run this host's Monarch worker loop")
     worker.add_argument("--address", required=True, help="tcp://IP:PORT or tls://IP:PORT to listen on")
@@ -33,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     doctor.add_argument("--wait", type=float, default=0.0, help="seconds to keep retrying unreachable nodes")
 
     bench = sub.add_parser("bench", help="goodput benchmark: monarch-sky against checkpoint-restart and TorchFT alone")
-    from monarch_sky.bench.runner import add_arguments
+    if command == "bench":  # its settings import the benchmark: only when it runs
+        from monarch_sky.bench.runner import add_arguments
 
-    add_arguments(bench)
+        add_arguments(bench)
     report = sub.add_parser("report", help="render the table and plots of a past run or bench")
     report.add_argument("path", metavar="RUN_OR_BENCH_DIR", help="a run folder (summary.json) or bench folder (bench.json, bench-heal.json)")
 
-    sub.add_parser("tls-ca", help="make a run CA: prints shell exports of MONARCH_SKY_TLS_CA and _KEY")
+    sub.add_parser("tls-ca", help="make a run CA: prints shell exports of MONARCH_SKY_TLS_CA and _KEY "
+                   "(`python3 -m monarch_sky.tls` does the same with only `cryptography` installed)")
     node = sub.add_parser("tls-node", help="issue this node's certificate from the run CA in the environment")
     node.add_argument("--out", required=True, help="folder for ca.pem, cert.pem, key.pem (mode 0600)")
     node.add_argument("hosts", nargs="+", metavar="IP_OR_NAME", help="every address this node is dialled by")
@@ -47,28 +115,56 @@ def main(argv: list[str] | None = None) -> int:
     fetch = sub.add_parser("fetch-tokenizer", help="download a hub model's tokenizer (HF_TOKEN) for data.tokenizer_repo")
     fetch.add_argument("repo", nargs="?", help="hub repository, e.g. meta-llama/Llama-3.1-8B")
     fetch.add_argument("--recipe", help="fetch what this recipe's data.tokenizer_repo names (none: nothing to do)")
+    return parser
 
-    args = parser.parse_args(argv)
-    if args.command == "fetch-tokenizer":
-        return _fetch_tokenizer(args)
-    if args.command in ("bench", "report"):
-        return _bench_or_report(args)
-    if args.command in ("tls-ca", "tls-node"):
-        return _tls(args)
-    from monarch_sky import supervision
 
-    supervision.configure_monarch_env()  # before anything imports Monarch
-    if args.command == "doctor":
-        from monarch_sky import doctor as doctor_mod
+def _job_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="config overrides, e.g. replicas=2 steps=60 faults=kill@20:1 (keys below)")
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="a YAML file of config keys (nested or dotted), under the KEY=VALUE overrides")
 
-        workers = [w for w in args.workers.split(",") if w.strip()]
-        return doctor_mod.run(workers, args.lighthouse, args.expect_gpus, args.wait)
-    if args.command == "worker":
-        from monarch_sky import worker as worker_mod
 
-        worker_mod.run(args.address, args.until_shutdown)
-        return 0
-    return _train(args.overrides)
+def _keys_help() -> str:
+    from monarch_sky.config_help import keys_help
+
+    return keys_help()
+
+
+def _flags_as_keys(args: list[str]) -> list[str]:
+    """`--training.steps 10` and `--replicas=2`, TorchTitan's and argparse's habits, as the
+    KEY=VALUE they mean; monarch-sky's own flags pass through."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        name = arg.split("=", 1)[0]
+        if not arg.startswith("--") or name in OWN_FLAGS:
+            out.append(arg)
+            if name in OWN_FLAGS - {"-h", "--help"} and "=" not in arg and i + 1 < len(args):
+                out.append(args[i + 1])
+                i += 1
+        elif "=" in arg:
+            out.append(arg[2:].replace("-", "_"))
+        elif i + 1 < len(args) and not args[i + 1].startswith("--"):
+            out.append(f"{arg[2:].replace('-', '_')}={args[i + 1]}")
+            i += 1
+        else:
+            out.append(arg)  # a flag with no value: argparse names it
+        i += 1
+    return out
+
+
+def _keys_as_flags(args: list[str]) -> list[str]:
+    """`steps=60`, the KEY=VALUE form, as the `--steps 60` the benchmark's flags are."""
+    out: list[str] = []
+    for arg in args:
+        if "=" in arg and not arg.startswith("-"):
+            key, value = arg.split("=", 1)
+            out += [f"--{key.replace('_', '-')}", value]
+        else:
+            out.append(arg)
+    return out
 
 
 def _bench_or_report(args) -> int:
@@ -93,20 +189,16 @@ def _bench_or_report(args) -> int:
 
 def _tls(args) -> int:
     """Print `export NAME=VALUE` lines for a shell to eval (sky/bootstrap.sh does)."""
-    import shlex
-
     from monarch_sky import tls
 
     if args.command == "tls-ca":
-        cert, key = tls.new_ca()
-        env = {tls.CA_ENV: tls.as_secret(cert), tls.CA_KEY_ENV: tls.as_secret(key)}
-    else:
-        try:
-            env = tls.node_env(args.out, args.hosts)
-        except ValueError as e:
-            print(f"monarch-sky: {e}", file=sys.stderr)
-            return 2
-    print("\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+        print(tls.ca_exports())
+        return 0
+    try:
+        print(tls.exports(tls.node_env(args.out, args.hosts)))
+    except ValueError as e:
+        print(f"monarch-sky: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -135,13 +227,34 @@ def _fetch_tokenizer(args) -> int:
     return 0
 
 
-def _train(overrides: list[str]) -> int:
-    from monarch_sky.config import EXIT_CONFIG, ConfigError, load_job
+def _load(args):
+    """The validated job, or None after printing what is wrong."""
+    from monarch_sky.config import ConfigError, load_job
 
     try:
-        job = load_job(overrides)
+        return load_job(args.overrides, args.config)
     except ConfigError as e:
         print(f"monarch-sky: config error: {e}", file=sys.stderr)
+        return None
+
+
+def _config(args) -> int:
+    from monarch_sky.config import EXIT_CONFIG, resolved_yaml
+
+    job = _load(args)
+    if job is None:
+        return EXIT_CONFIG
+    print(resolved_yaml(job), end="")
+    return 0
+
+
+def _train(args) -> int:
+    from monarch_sky.config import EXIT_CONFIG
+
+    if args.log_level:
+        os.environ["MONARCH_SKY_LOG"] = args.log_level
+    job = _load(args)
+    if job is None:
         return EXIT_CONFIG
     from monarch_sky.run import run_job
 

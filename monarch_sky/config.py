@@ -26,10 +26,10 @@ EXIT_CONFIG = 2  # exit code for a config error
 
 @dataclass
 class TrainingSettings:
-    seq_len: int = MISSING
-    local_batch_size: int = MISSING
-    lr: float = MISSING
-    warmup_steps: int = MISSING
+    seq_len: int = MISSING  # tokens per sample
+    local_batch_size: int = MISSING  # samples per process and step
+    lr: float = MISSING  # peak learning rate (AdamW)
+    warmup_steps: int = MISSING  # linear warm-up steps
 
 
 @dataclass
@@ -37,7 +37,7 @@ class DataSettings:
     tokenizer_path: Optional[str] = str(ASSETS / "tokenizer")  # None: where tokenizer_repo was fetched to
     tokenizer_repo: Optional[str] = None  # the hub repository `monarch-sky fetch-tokenizer` fetches
     dataset: str = "c4_test"  # torchtitan's local-json loader; "c4", "fineweb_edu" stream from the Hub
-    dataset_path: Optional[str] = str(ASSETS / "data")
+    dataset_path: Optional[str] = str(ASSETS / "data")  # a local dataset's folder (None: the Hub's)
 
 
 @dataclass
@@ -48,12 +48,12 @@ class FTSettings:
     process_group_timeout_ms: int = 5000  # a collective with a dead peer fails after this
     # The lighthouse drops a silent group after this; TorchFT's managers beat every 100 ms.
     heartbeat_timeout_ms: int = 300
-    quorum_tick_ms: int = 100
-    join_timeout_ms: int = 10000
+    quorum_tick_ms: int = 100  # the lighthouse forms a quorum at most this often
+    join_timeout_ms: int = 10000  # the lighthouse waits this long for every group before a smaller quorum
     quorum_timeout_s: int = 60  # a group waiting this long for a TorchFT quorum fails its step
     timeout_s: int = 60  # TorchFT's manager timeout: each read of a heal transfer, should_commit
-    # How a rejoining group receives its state: "tcp" (snapshot + striped streams, monarch_sky/
-    # heal_transport.py), "http" (TorchFT's default), "auto" (the fastest: tcp)
+    # How a rejoining group gets its state: "tcp" (snapshot, striped streams: heal_transport.py),
+    # "http" (TorchFT's default), "auto" (tcp; http in diloco mode)
     heal_transport: str = "auto"
     max_restarts: int = 3  # respawns of one replica group before it is given up
     standby: bool = True  # keep a warm spare process set per group: recovery skips imports
@@ -87,7 +87,7 @@ class HostSettings:
 class ChaosSettings:
     every_s: float = 0.0  # mean seconds between random faults (exponential gaps); 0: off
     kinds: list[str] = field(default_factory=lambda: ["kill", "segfault", "comms", "hang", "stop", "host"])
-    seed: int = 0
+    seed: int = 0  # the chaos schedule's own seed
 
 
 @dataclass
@@ -102,22 +102,22 @@ class CheckpointSettings:
 
 @dataclass
 class WandbSettings:
-    mode: str = "auto"  # auto: online if WANDB_API_KEY is set, else offline; or disabled
-    project: str = "monarch-sky"
-    entity: Optional[str] = None
+    mode: str = "auto"  # auto: online if wandb finds your key (WANDB_API_KEY, `wandb login`); online, offline, disabled
+    project: str = "monarch-sky"  # W&B project
+    entity: Optional[str] = None  # W&B team or user (None: your default)
 
 
 @dataclass
 class JobConfig:
-    recipe: str = "llama3_tiny"
-    replicas: int = 3
+    recipe: str = "llama3_tiny"  # the model and its defaults: llama3_tiny (CPU), llama3_debug, llama3_8b, llama3_70b
+    replicas: int = 3  # replica groups; TorchFT keeps them in step, a failed one heals from a peer
     procs_per_replica: int = 2  # processes (GPUs) per host of a replica group
     hosts_per_replica: int = 1  # hosts one replica group spans (FSDP across them)
-    steps: int = 100
-    seed: int = 0
-    faults: str = ""
-    run_dir: str = "runs"
-    run_id: Optional[str] = None
+    steps: int = 100  # committed training steps to reach
+    seed: int = 0  # model init and data order
+    faults: str = ""  # KIND@STEP:REPLICA,... (kill segfault comms hang stop host), none, or auto (a kill at 40%)
+    run_dir: str = "runs"  # run records go to <run_dir>/<run_id>/
+    run_id: Optional[str] = None  # None: <recipe>-<time>-<hex>; an existing one resumes that run
     training: TrainingSettings = field(default_factory=TrainingSettings)
     data: DataSettings = field(default_factory=DataSettings)
     ft: FTSettings = field(default_factory=FTSettings)
@@ -153,17 +153,20 @@ def heal_transport(kind: str, mode: str) -> str:
     return "http" if mode == "diloco" else "tcp"
 
 
-def load_job(overrides: list[str]) -> Job:
+def load_job(overrides: list[str], config_file: str | None = None) -> Job:
+    """The job from, in increasing precedence: the defaults, the recipe's, `config_file`
+    (YAML, the same keys nested) and the KEY=VALUE `overrides`."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"'{item}' is not KEY=VALUE (for example replicas=2)")
     schema = OmegaConf.structured(JobConfig)
+    from_file = _load_file(config_file) if config_file else OmegaConf.create()
     cli = _parse_dotlist(overrides)
-    recipe_name = cli.get("recipe", schema.recipe)
+    recipe_name = cli.get("recipe", from_file.get("recipe", schema.recipe))
     if recipe_name not in RECIPES:
         raise ConfigError(f"recipe: unknown recipe '{recipe_name}'; allowed: {', '.join(RECIPES)}")
     try:
-        config = OmegaConf.merge(schema, RECIPES[recipe_name].job_defaults, cli)
+        config = OmegaConf.merge(schema, RECIPES[recipe_name].job_defaults, from_file, cli)
         OmegaConf.to_container(config, throw_on_missing=True)
     except OmegaConfBaseException as e:
         raise ConfigError(_describe(e)) from None
@@ -191,6 +194,27 @@ def auto_fault(replicas: int, steps: int) -> str:
     return f"kill@{max(1, steps * 2 // 5)}:1"
 
 
+def _load_file(path: str) -> DictConfig:
+    """A YAML file of config keys, nested (`ft: {mode: diloco}`) or dotted (`ft.mode: diloco`)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--config: no file {path}") from None
+    except yaml.YAMLError as e:  # its message names the line
+        raise ConfigError(f"--config: {path} is not YAML: {' '.join(str(e).split())}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"--config: {path} must hold keys and values (replicas: 2), not a list or a value")
+    nested = OmegaConf.create()
+    for key, value in loaded.items():
+        try:
+            OmegaConf.update(nested, str(key), value, force_add=True)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"--config: {path}: {_describe(e)}") from None
+    return nested
+
+
 def _parse_dotlist(overrides: list[str]) -> DictConfig:
     try:
         return OmegaConf.from_dotlist(overrides)
@@ -215,3 +239,9 @@ def _keys_at(parent: str) -> list[str]:
     if parent:
         node = OmegaConf.select(node, parent)
     return list(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def resolved_yaml(job: Job) -> str:
+    """The job as `monarch-sky config` prints it and the run record keeps it (config.yaml)."""
+    faults = ", ".join(map(str, job.faults)) or "none"
+    return OmegaConf.to_yaml(job.config) + f"# faults injected: {faults}\n"

@@ -38,6 +38,7 @@ class RunContext:
     lighthouse_address: str = ""
     heal_transport: str = ""  # the one every trainer of the run uses (`ft.heal_transport` resolved)
     replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")
+    cross_group: list[str] = field(default_factory=list)  # how groups reached each other (platform.cross_group_link)
     groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
     slots: list[Any] = field(default_factory=list)  # one Slot per replica group
     lost: list[dict[str, Any]] = field(default_factory=list)
@@ -67,6 +68,16 @@ class RunContext:
         elif platform != self.replica_platform:
             return f"its host has {platform}, the other groups {self.replica_platform}; every group needs the same accelerators"
         return None
+
+    def note_cross_group(self, index: int, link: str) -> None:
+        """Say loudly, once per link, when a GPU group's cross-group traffic falls back to TCP."""
+        if link in self.cross_group:
+            return
+        self.cross_group.append(link)
+        self.record.event("cross_group_link", replica=index, link=link)
+        if link.startswith("TCP"):
+            self.display.line(f"monarch-sky: WARNING: replica {index}'s cross-group all-reduce and heals run over {link}; "
+                              "far slower than RDMA (docs/kubernetes.md says how to give nodes RDMA)")
 
     def proc_env(self, hosts: list[Host]) -> dict[str, str]:
         """One environment for every process of a group. A group on several hosts leaves

@@ -1,4 +1,4 @@
-"""Fault injection: the `KIND@STEP:REPLICA` spec and the actor that carries faults out.
+"""Fault injection's spec: `KIND@STEP:REPLICA` (`monarch_sky/fault_actor.py` carries faults out).
 
 `faults=kill@20:1,segfault@40:0` injects a SIGKILL into one trainer process of replica 1
 once the run has committed 20 steps, and a segfault into replica 0 at step 40;
@@ -8,13 +8,7 @@ syntax is stable: other tooling writes it.
 
 from __future__ import annotations
 
-import ctypes
-import os
-import signal
-import threading
 from dataclasses import dataclass
-
-from monarch.actor import Actor, endpoint
 
 # Kinds this build can inject. Each kind names what a user would see fail.
 KINDS = {
@@ -82,47 +76,3 @@ def check_faults(faults: list[Fault], replicas: int, steps: int) -> None:
                 f"(steps={steps}); pick a step below {steps}"
             )
 
-
-class FaultActor(Actor):
-    """Lives beside each trainer process and injects faults into it on request.
-
-    It is a separate actor so it can act while the trainer is busy in a step.
-    """
-
-    @endpoint
-    def pid(self) -> int:
-        return os.getpid()
-
-    @endpoint
-    def inject(self, kind: str, delay_s: float = 0.0) -> None:
-        # Fire from a timer so this call returns before the process dies.
-        threading.Timer(max(delay_s, 0.01), _FAULTS[kind]).start()
-
-
-def _kill() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _segfault() -> None:
-    ctypes.string_at(0)
-
-
-def _comms() -> None:
-    """Abort the trainer's TorchFT process group: its cross-group collectives fail."""
-    from monarch_sky import trainer
-
-    if trainer.ACTIVE is not None:
-        trainer.ACTIVE.manager._pg.abort()  # torchft's ManagedProcessGroup has no public abort
-
-
-def _hang() -> None:
-    # A foreign call through PyDLL keeps the GIL: every Python thread of the process stops,
-    # while TorchFT's native heartbeat threads and the sockets stay alive.
-    ctypes.PyDLL(None).sleep(24 * 3600)
-
-
-def _stop() -> None:
-    os.kill(os.getpid(), signal.SIGSTOP)
-
-
-_FAULTS = {"kill": _kill, "segfault": _segfault, "comms": _comms, "hang": _hang, "stop": _stop}

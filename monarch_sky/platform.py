@@ -122,6 +122,16 @@ def advertise_host() -> None:
 TRAINING_NICENESS = 5
 
 
+def cross_group_link(kind: str, environ=os.environ) -> str:
+    """How this host's group reaches the other groups (TorchFT's all-reduce, the heal): RCCL
+    or NCCL over RDMA unless `doctor` found none on the node and set NCCL_IB_DISABLE=1."""
+    if kind == "cpu":
+        return "gloo over TCP"
+    if environ.get("NCCL_IB_DISABLE", "0") == "1":
+        return "TCP sockets (NCCL_IB_DISABLE=1: no usable RDMA on this node)"
+    return "RDMA where RCCL finds it"
+
+
 def yield_cpu_to_recovery(kind: str) -> None:
     """On CPU hosts, trainers run below the priority of processes still starting up.
 

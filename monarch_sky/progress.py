@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
+from collections import deque
 from typing import Any, TextIO
 
 
+LOG_EVERY_S = 30.0  # off a terminal (sky logs, CI, a file): a progress line this often
+
+
 class Display:
-    def __init__(self, target_steps: int, stream: TextIO = sys.stdout):
+    def __init__(self, target_steps: int, stream: TextIO = sys.stdout, log_every_s: float = LOG_EVERY_S, clock=time.monotonic):
         self.target = target_steps
         self.stream = stream
         self.live = stream.isatty()
-        self._every = max(1, target_steps // 10)  # non-TTY: a progress line per 10%
-        self._last_printed = 0
+        self.log_every_s = log_every_s
+        self._next_log = 0.0
         self._status = ""
+        self._rate = StepRate()
+        self._clock = clock
 
     def line(self, text: str) -> None:
         self._clear()
@@ -32,17 +39,19 @@ class Display:
         faults: int,
         recovered: int,
     ) -> None:
+        now = self._clock()
+        per_s = self._rate.add(step, now)
         loss_text = f"{loss:7.4f}" if loss is not None else "   n/a "
         text = (
-            f"step {step:>5}/{self.target}  loss {loss_text}  {tokens_per_s:9.0f} tok/s  "
-            f"quorum {quorum}/{replicas}  training {training}/{replicas}  "
-            f"faults {faults}  recovered {recovered}"
+            f"step {step:>5}/{self.target}{' ' + _bar(step, self.target) if self.live else ''}  loss {loss_text}  "
+            f"{per_s:5.2f} step/s  eta {_duration(eta_s(step, self.target, per_s))}  {tokens_per_s:8.0f} tok/s  "
+            f"quorum {quorum}/{replicas}  training {training}/{replicas}  faults {faults}  recovered {recovered}"
         )
         if self.live:
             self._status = text
             self._redraw()
-        elif step >= self._last_printed + self._every or step == self.target:
-            self._last_printed = step
+        elif now >= self._next_log or step >= self.target:
+            self._next_log = now + self.log_every_s
             print(text, file=self.stream, flush=True)
 
     def _clear(self) -> None:
@@ -56,12 +65,53 @@ class Display:
             self.stream.write("\r" + self._status[: width - 1])
             self.stream.flush()
 
-    def finish(self, summary: dict[str, Any], record_path: str, wandb_location: str | None) -> None:
+    def finish(self, summary: dict[str, Any], record_path: str, tracker_mode: str, wandb_location: str | None) -> None:
         self._clear()
         self._status = ""
         print(format_summary(summary), file=self.stream)
-        print(f"run record: {record_path}/summary.json, {record_path}/events.jsonl", file=self.stream)
-        print(f"W&B: {wandb_location or 'disabled'}", file=self.stream, flush=True)
+        print(f"run record: {record_path}/ (summary.json, events.jsonl, controller.log, config.yaml)", file=self.stream)
+        print(_wandb_line(tracker_mode, wandb_location), file=self.stream, flush=True)
+
+
+def _wandb_line(mode: str, location: str | None) -> str:
+    if mode == "online" and location:
+        return f"W&B (online): {location}"
+    if mode == "offline" and location:
+        return f"W&B (offline): {location}; upload it with `wandb sync {location}`"
+    return f"W&B: {mode if mode == 'disabled' else 'off (see the warning above)'}"
+
+
+class StepRate:
+    """Committed steps per second over the last minute (a heal or a stall shows up in it)."""
+
+    WINDOW_S = 60.0
+
+    def __init__(self):
+        self._points: deque[tuple[float, int]] = deque()
+
+    def add(self, step: int, now: float) -> float:
+        self._points.append((now, step))
+        while len(self._points) > 2 and now - self._points[1][0] >= self.WINDOW_S:
+            self._points.popleft()
+        (t0, s0), (t1, s1) = self._points[0], self._points[-1]
+        return (s1 - s0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def eta_s(step: int, target: int, per_s: float) -> float | None:
+    return (target - step) / per_s if per_s > 0 else None
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "--:--"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m" if hours else f"{minutes:02d}:{secs:02d}"
+
+
+def _bar(step: int, target: int, width: int = 20) -> str:
+    done = int(width * min(step, target) / max(target, 1))
+    return "[" + "#" * done + "." * (width - done) + "]"
 
 
 def _spares(s: dict[str, Any]) -> str:

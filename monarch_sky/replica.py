@@ -63,6 +63,7 @@ class ReplicaActor(Actor):
         return {
             "pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start,
             "platform": f"{plat.kind} x{plat.device_count}" if plat.device_count else plat.kind,
+            "cross_group": platform_mod.cross_group_link(plat.kind),
         }
 
     @endpoint
@@ -139,7 +140,7 @@ class ReplicaGroup:
         """Start the group's processes and import the trainer code (a warm standby)."""
         from monarch.actor import default_bootstrap_cmd
 
-        from monarch_sky.faults import FaultActor
+        from monarch_sky.fault_actor import FaultActor
 
         self.proc_mesh = self.host_mesh.spawn_procs(
             per_host={"gpus": self.procs},

@@ -14,7 +14,7 @@ import sys
 from datetime import datetime
 
 from monarch_sky.checkpoint_policy import CheckpointMismatch, attempt_from_checkpoint, restart_message, resume_from
-from monarch_sky.config import EXIT_CONFIG, Job
+from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
 from monarch_sky.outcome import failed, stopped
@@ -64,8 +64,8 @@ def new_run_id(recipe: str) -> str:
 
 def run_job(job: Job, provider: HostProvider | None = None) -> int:
     """Run a validated job to completion; returns the process exit code."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("RUST_LOG", "warn")
+    _log_to_console()
     cfg = job.config
     run_id = cfg.run_id or new_run_id(cfg.recipe)
     cfg.run_id = run_id
@@ -85,6 +85,8 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
             return EXIT_CONFIG
         display.line(restart_message(run_id, previous))
     record = RunRecord(cfg.run_dir, run_id)
+    log_file = _log_to_file(record.path / "controller.log")
+    (record.path / "config.yaml").write_text(resolved_yaml(job))
     if previous is not None:
         record.event("controller_restarted", **previous)
     record.event("run_started", config=job.to_dict())
@@ -111,8 +113,8 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         error = f"{type(e).__name__}: {e}"
         summary = controller.partial_summary(failed(error))
         record.event("run_failed", error=error)
-        display.line(f"monarch-sky: run failed: {error}")
-        log.debug("run failed", exc_info=True)
+        log.error("run failed", exc_info=True)
+        display.line(f"monarch-sky: run failed: {error} (traceback: {log_file.baseFilename})")
     finally:
         reap_run(run_id, EVERYTHING)
     try:
@@ -122,10 +124,40 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         except KeyboardInterrupt:  # the run is over and recorded: its outcome stands
             record.event("interrupted_while_finishing")
             display.line("monarch-sky: interrupted while finishing W&B; the run record is complete")
-        display.finish(summary, str(record.path), tracker.location)
+        display.finish(summary, str(record.path), tracker.mode, tracker.location)
     finally:
         record.close()
+        logging.getLogger().removeHandler(log_file)
+        log_file.close()
     return summary["outcome"]["exit_code"]
+
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _log_level() -> int:
+    """MONARCH_SKY_LOG (debug, info, warning; `train --log-level` sets it): the console's level."""
+    name = os.environ.get("MONARCH_SKY_LOG", "warning").strip().upper() or "WARNING"
+    level = logging.getLevelName(name)
+    return level if isinstance(level, int) else logging.WARNING
+
+
+def _log_to_console() -> None:
+    logging.basicConfig(level=_log_level(), format=LOG_FORMAT)
+
+
+def _log_to_file(path) -> logging.FileHandler:
+    """The run's controller.log: INFO and up (DEBUG with MONARCH_SKY_LOG=debug), tracebacks in full."""
+    level = min(_log_level(), logging.INFO)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setLevel(level)
+    root = logging.getLogger()
+    for console in root.handlers:  # the console keeps its own level while the root lets INFO through
+        console.setLevel(max(console.level, _log_level()))
+    root.setLevel(min(root.level, level))
+    root.addHandler(handler)
+    return handler
 
 
 def _render_report(run_path) -> list:

@@ -28,6 +28,7 @@ def build_summary(
         "ft_mode": cfg.ft.mode,
         "heal_transport": ctx.heal_transport,
         "platform": ctx.replica_platform or ctx.platform.kind,  # the trainers' hosts, e.g. "rocm x8"
+        "cross_group": ctx.cross_group,  # how groups reached each other: RDMA, TCP sockets, gloo over TCP
         "target_steps": cfg.steps,
         "committed_steps": ctx.ledger.run_step,
         "checkpoints_written": checkpoints_written(ctx),
@@ -47,6 +48,7 @@ def build_summary(
         "previous_controller": previous_controller,
         "checkpoint": ctx.checkpoints.summary() if ctx.checkpoints is not None else None,
         "tracking_error": ctx.tracker.error,
+        "wandb": {"mode": ctx.tracker.mode, "location": ctx.tracker.location},  # offline: `wandb sync` that folder
     }
     summary["outcome"] = judge(summary)
     return summary

@@ -3,8 +3,9 @@
 The run record is what tests and tools read: `<run_dir>/<run_id>/events.jsonl` (one JSON
 object per event, written as it happens), `steps.jsonl` (one line per replica group's step:
 the format `monarch-sky report` and `make bench` read for every arm) and `summary.json` (at
-the end). W&B gets the same metrics and events; it runs offline unless WANDB_API_KEY is set or
-`wandb.mode=online`. The API key is read by wandb itself and never logged here.
+the end). W&B gets the same metrics and events; it runs offline unless wandb finds your key
+(WANDB_API_KEY or `wandb login`) or `wandb.mode=online`. The API key is read by wandb itself
+and never logged here.
 """
 
 from __future__ import annotations
@@ -118,9 +119,24 @@ def _json_lines(path: Path, tail_bytes: int | None = None) -> list[dict[str, Any
 
 
 def wandb_mode(setting: str) -> str:
-    if setting == "auto":
-        return "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    return setting
+    """"auto": online when wandb would find credentials (WANDB_API_KEY, an identity token
+    file, or the key `wandb login` keeps in ~/.netrc), else offline."""
+    if setting != "auto":
+        return setting
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return "online"
+    return "online" if _netrc_has_key() else "offline"
+
+
+def _netrc_has_key() -> bool:
+    """Whether wandb's own netrc reader (where `wandb login` writes) has a key for the W&B host."""
+    try:
+        from wandb.sdk.lib.wbauth import read_netrc_auth  # wandb's own; pinned in pyproject
+
+        return bool(read_netrc_auth(host=os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")))
+    except Exception as e:  # a malformed netrc or another wandb: offline, and say why
+        log.warning("W&B: could not read a key from netrc (%s); running offline", type(e).__name__)
+        return False
 
 
 class Tracker:
@@ -148,7 +164,8 @@ class Tracker:
                 resume="allow",
                 settings=wandb.Settings(silent=True, console="off"),
             )
-            self.location = self.run.url if self.mode == "online" else self.run.dir
+            # online: the run's page; offline: its folder (`wandb sync` of its parent uploads it)
+            self.location = self.run.url if self.mode == "online" else str(Path(self.run.dir).parent)
         except Exception as e:  # tracking must never stop training
             self._fail("init", e)
 

@@ -38,7 +38,8 @@ TAG_ENV = "MONARCH_SKY_TEST_TAG"
 
 def cli_env(tag: str = "") -> dict[str, str]:
     """The CLI's environment; every process it starts inherits `tag`, so tests can find them."""
-    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", TAG_ENV: tag}
+    # NETRC: a W&B key `wandb login` left on this machine must not take the tests online
+    env = {**os.environ, "WANDB_MODE": "offline", "NETRC": "/dev/null", "PYTHONUNBUFFERED": "1", TAG_ENV: tag}
     env.pop("WANDB_API_KEY", None)
     return env
 

@@ -70,7 +70,14 @@ class SpareDiesIdleHosts(LocalHosts):
                 return
 
 
-PROVIDERS = {"fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts,
+class BrokenHosts(LocalHosts):
+    """A provider with a bug: the controller's own start-up raises something no code expects."""
+
+    def controller_ip(self) -> str:
+        raise RuntimeError("controller_ip broke (test)")
+
+
+PROVIDERS = {"broken": BrokenHosts, "fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts,
              "spare-dies-idle": SpareDiesIdleHosts}
 
 
