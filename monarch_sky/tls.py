@@ -121,6 +121,19 @@ def as_secret(pem: str) -> str:
     return base64.b64encode(pem.encode()).decode()
 
 
+def exports(env: dict[str, str]) -> str:
+    """`export NAME=VALUE` lines for a shell to eval."""
+    import shlex
+
+    return "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())
+
+
+def ca_exports() -> str:
+    """A new run CA as the shell exports the recipes' `--secret` flags read."""
+    cert, key = new_ca()
+    return exports({CA_ENV: as_secret(cert), CA_KEY_ENV: as_secret(key)})
+
+
 def _from_secret(value: str) -> str:
     return value if value.lstrip().startswith("-----BEGIN") else base64.b64decode(value).decode()
 
@@ -156,3 +169,7 @@ def _private_dir(out: Path) -> Path:
         raise ValueError(f"{out} is a link or belongs to another user: certificates are not written there")
     out.chmod(0o700)
     return out
+
+
+if __name__ == "__main__":  # `python3 -m monarch_sky.tls`: the CA with only `cryptography` installed
+    print(ca_exports())

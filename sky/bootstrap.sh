@@ -6,7 +6,7 @@
 #                      (`monarch-sky doctor`) and starts one Monarch worker loop per replica
 #                      group it hosts; node rank 0 also runs the controller (which starts the
 #                      TorchFT lighthouse) against every node's workers.
-#   worker             workers only: a replica-group task of a job group (recipes/llama-spot.yaml),
+#   worker             workers only: a replica-group task of a job group (recipes/llama-group.yaml),
 #                      reachable as <WORKER_TASK>-0.<job group>, or a replacement cluster the
 #                      controller launched (HOST_REPLACEMENT=skypilot), reachable by its IP.
 #   controller         the job group's controller task: attaches to the GROUP_TASKS' workers.
@@ -119,7 +119,7 @@ if [ -n "${MONARCH_SKY_TLS_CA:-}" ]; then
   eval "$TLS_SH"
   SCHEME=tls
 else
-  say "no MONARCH_SKY_TLS_CA: anything that reaches a worker port here can run code (README: Security)" >&2
+  say "no MONARCH_SKY_TLS_CA: anything that reaches a worker port here can run code (docs/security.md)" >&2
 fi
 # Trainer output goes to each node's worker log lines below, which SkyPilot streams for every
 # node. (Monarch's own log forwarding made stopping a mesh with a dead process hang.)
@@ -263,10 +263,16 @@ train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...
   # reaps what the old one left and reports the steps that were lost.
   local run_id
   run_id=$(printf '%s' "${SKYPILOT_TASK_ID:-}" | tr -c 'A-Za-z0-9_.-' '-')
-  # shellcheck disable=SC2086  # MONARCH_SKY_ARGS is a list of KEY=VALUE words
+  # MONARCH_SKY_ARGS: KEY=VALUE words split as a shell splits them (quotes hold a value with
+  # spaces), with nothing expanded: `chaos.kinds=[kill,host]` is no glob.
+  local quoted
+  quoted=$("$PY" -c 'import os, shlex; print(" ".join(map(shlex.quote, shlex.split(os.environ.get("MONARCH_SKY_ARGS", "")))))') \
+    || die "MONARCH_SKY_ARGS='${MONARCH_SKY_ARGS:-}' does not split into words (an unclosed quote?)"
+  local -a extra
+  eval "extra=($quoted)"  # every word shlex-quoted above
   "$PY" -m monarch_sky train recipe="$RECIPE" replicas="$replicas" procs_per_replica="$PROCS" hosts_per_replica="$PER_GROUP" \
     hosts.provider=addresses "hosts.addresses=[$all]" hosts.controller_ip="$MY_IP" \
-    ${run_id:+run_id=$run_id} ${RUN_DIR:+run_dir=$RUN_DIR} "$@" ${MONARCH_SKY_ARGS:-}  # later overrides win
+    ${run_id:+run_id=$run_id} ${RUN_DIR:+run_dir=$RUN_DIR} "$@" "${extra[@]}"  # later overrides win
 }
 
 case "$ROLE" in

@@ -6,6 +6,8 @@ conflicts with wandb's and huggingface-hub's.
     sky_facts.py --replacement RECIPE INFO    the task monarch-sky launches for a lost node
     sky_facts.py --k8s RECIPE LABEL           the recipe on a fake AMD Kubernetes cluster
     sky_facts.py --slurm-names GRES...        which recipe accelerator names match each GRES type
+    sky_facts.py --launch WORDS...            what `sky WORDS` (launch, jobs launch) builds before any cloud call
+    sky_facts.py --pod RECIPE                 the container spec SkyPilot merges the recipe's kubernetes.pod_config into
 """
 
 import json
@@ -38,7 +40,8 @@ def task_facts(task) -> dict:
         "candidates": [candidate_facts(r) for r in sorted(task.resources, key=str)],
         "envs": task.envs,
         "secret_refs": [ref.name for ref in task._managed_secret_refs],
-        "inline_secrets": sorted(task.secrets),
+        "inline_secrets": sorted(k for k, v in task.secrets.items() if v.get_secret_value()),  # with a value
+        "optional_secrets": sorted(k for k, v in task.secrets.items() if not v.get_secret_value()),  # "" by default
         "setup": task.setup,
         "run": task.run,
         "storage_mounts": {path: {"name": s.name, "mode": s.mode.value} for path, s in (task.storage_mounts or {}).items()},
@@ -126,11 +129,60 @@ def slurm_name_facts(gres_types: list[str]) -> dict:
     return {g: [n for n in names if su._accelerator_name_matches_slurm(n, g)] for g in gres_types}
 
 
+def launch_facts(words: list[str]) -> dict:
+    """`sky launch ...` or `sky jobs launch ...` up to its first contact with a server: SkyPilot's
+    own CLI parses the flags (a `--secret NAME` not in the environment fails there), builds the
+    task or job group with the overrides, and resolves its secrets as `sky.execution` does (a
+    declared secret left without a value is refused)."""
+    import click
+    from sky import dag as dag_lib
+    from sky import execution
+    from sky.client.cli import command
+
+    commands = {("launch",): command.launch, ("jobs", "launch"): command.jobs_launch}
+    size = 2 if words[:1] == ["jobs"] else 1
+    cmd = commands[tuple(words[:size])]
+    try:
+        params = cmd.make_context(" ".join(words[:size]), words[size:]).params
+        envs = command._merge_cli_and_file_vars([params.get("env_file")], params["env"])
+        secrets = command._merge_cli_and_file_vars([params.get("env_file"), params.get("secret_file")], params["secret"])
+        built = command._make_task_or_dag_from_entrypoint_with_overrides(
+            params["entrypoint"], num_nodes=params["num_nodes"], env=envs, secret=secrets)
+        dag = built if isinstance(built, dag_lib.Dag) else dag_utils.convert_entrypoint_to_dag(built)
+        execution._resolve_managed_secrets(dag)
+    except (click.UsageError, RuntimeError, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e.format_message() if isinstance(e, click.UsageError) else e}"}
+    return {"error": None, "tasks": {t.name: {"num_nodes": t.num_nodes, "secrets": sorted(t.secrets),
+                                              "empty_secrets": sorted(k for k, v in t.secrets.items() if not v.get_secret_value())}
+                                     for t in dag.tasks}}
+
+
+def pod_facts(recipe_path: str) -> dict:
+    """Each Kubernetes candidate's container after SkyPilot folds the task's `config:`
+    (kubernetes.pod_config) into its pod, as provisioning does (combine_pod_config_fields)."""
+    from sky import clouds
+    from sky.provision.kubernetes import utils as ku
+
+    out = []
+    for r in sorted(sky.Task.from_yaml(recipe_path).resources, key=str):
+        if not isinstance(r.cloud, clouds.Kubernetes):
+            continue
+        pod = {"available_node_types": {"ray_head_default": {"node_config": {
+            "spec": {"containers": [{"name": "ray", "resources": {"limits": {"amd.com/gpu": 8}}}]}}}}}
+        merged = ku.combine_pod_config_fields(pod, r.cluster_config_overrides or {}, cloud=r.cloud)
+        out.append(merged["available_node_types"]["ray_head_default"]["node_config"]["spec"]["containers"])
+    return {"containers": out}
+
+
 def main(args: list[str]) -> None:
     if args[:1] == ["--replacement"]:
         out = replacement_facts(args[1], args[2])
     elif args[:1] == ["--k8s"]:
         out = k8s_facts(args[1], args[2])
+    elif args[:1] == ["--pod"]:
+        out = pod_facts(args[1])
+    elif args[:1] == ["--launch"]:
+        out = launch_facts(args[1:])
     elif args[:1] == ["--slurm-names"]:
         out = slurm_name_facts(args[1:])
     else:

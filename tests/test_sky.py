@@ -69,7 +69,69 @@ def test_cluster_recipes_ask_skypilot_for_amd_nodes_that_exist(facts, name, reci
     assert not task["job_group"] and task["num_nodes"] == 3 and task["envs"]["SPARE_NODES"] == "1"
     assert_amd_node(task, memory_gb)
     assert task["envs"]["RECIPE"] == recipe and task["envs"]["RECIPE_YAML"] == f"recipes/{name}"
-    assert task["secret_refs"] == ["WANDB_API_KEY", "HF_TOKEN", *TLS_SECRETS]
+    assert task["secret_refs"] == ["HF_TOKEN", *TLS_SECRETS] and task["optional_secrets"] == ["WANDB_API_KEY"]
+
+
+def header_commands(recipe: Path) -> list[str]:
+    """The shell commands a recipe's opening comment tells its user to run, in order."""
+    commands = []
+    for line in recipe.read_text().splitlines():
+        if not line.startswith("#"):
+            break
+        text = line.lstrip("#").strip()
+        if text.startswith(("export ", "eval ", "sky ")):
+            commands.append(text.split("  #")[0].strip())
+    return commands
+
+
+def run_header(commands: list[str], environ: dict) -> list[dict]:
+    """Run the header's commands in one shell, with SkyPilot's venv first on PATH (its python3
+    has `cryptography` and nothing of monarch-sky's stack); each `sky ...` is handed to
+    SkyPilot's own CLI parsing and task building (sky_facts.py --launch)."""
+    script = ["set -e"]
+    for command in commands:
+        if command.startswith("sky "):
+            script.append(f"{SKY_PYTHON} tests/sky_facts.py --launch {command.removeprefix('sky ')} | tail -n 1")
+        else:
+            script.append(command)
+    path = f"{SKY_PYTHON.parent}:{os.environ['PATH']}"
+    proc = subprocess.run(["bash", "-c", "\n".join(script)], cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={**environ, "PATH": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_each_recipes_header_command_is_accepted_by_skypilot_as_written(recipe):
+    commands = header_commands(recipe)
+    assert sum(c.startswith("sky ") for c in commands) == 1, commands
+    environ = {"HOME": os.environ["HOME"]}  # no HF_TOKEN, W&B key or CA of ours: the header's own
+    [launch] = run_header(commands, environ)
+    assert launch["error"] is None, launch["error"]
+    for task in launch["tasks"].values():
+        if "MONARCH_SKY_TLS_CA" in task["secrets"]:
+            assert {"MONARCH_SKY_TLS_CA", "MONARCH_SKY_TLS_CA_KEY"} <= set(task["secrets"]) - set(task["empty_secrets"])
+
+
+def test_a_launch_without_the_ca_is_refused_by_skypilot_naming_the_missing_secrets():
+    """The check above bites: the llama header without its CA is what the recipes said before."""
+    commands = [c.replace(" --secret MONARCH_SKY_TLS_CA --secret MONARCH_SKY_TLS_CA_KEY", "")
+                for c in header_commands(REPO / "recipes" / "llama.yaml") if not c.startswith("eval ")]
+    [launch] = run_header(commands, {"HOME": os.environ["HOME"]})
+    assert "No value available for secret(s): MONARCH_SKY_TLS_CA, MONARCH_SKY_TLS_CA_KEY" in launch["error"]
+
+
+def test_the_rdma_pod_config_the_kubernetes_page_shows_is_accepted_by_skypilot(tmp_path):
+    page = (REPO / "docs" / "kubernetes.md").read_text()
+    block = page.split("```yaml\n", 1)[1].split("```", 1)[0]
+    recipe = tmp_path / "llama-rdma.yaml"
+    recipe.write_text((REPO / "recipes" / "llama.yaml").read_text() + "\n" + block)
+    pods = sky_facts("--pod", str(recipe))["containers"]
+    assert len(pods) == 4, "one Kubernetes candidate per AMD accelerator name"
+    for containers in pods:  # SkyPilot merges lists item by item: the pod's one container gets it
+        [container] = containers
+        assert container["resources"]["limits"] == {"amd.com/gpu": 8, "rdma/rdma_shared_device_a": 1}
+        assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
 
 
 @pytest.mark.parametrize("label", ["mi300x", "mi300", "mi325x", "mi355x"])
@@ -130,7 +192,8 @@ def test_job_group_recipe_stays_on_one_kubernetes_cluster_and_recovers_lost_grou
     controller, *workers = group["tasks"]
     assert controller["name"] == "controller" and controller["envs"]["MONARCH_SKY_ROLE"] == "controller"
     assert [c["accelerators"] for c in controller["candidates"]] == [{}]
-    assert controller["secret_refs"] == ["WANDB_API_KEY", "HF_TOKEN", *TLS_SECRETS] and controller["inline_secrets"] == []
+    assert controller["secret_refs"] == ["HF_TOKEN", *TLS_SECRETS] and controller["inline_secrets"] == []
+    assert controller["optional_secrets"] == ["WANDB_API_KEY"]
     assert controller["envs"]["GROUP_TASKS"].split() == [w["name"] for w in workers] and len(workers) >= 2
     for task in group["tasks"]:
         for c in task["candidates"]:
