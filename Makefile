@@ -8,13 +8,28 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test e2e chaos bench bench-heal bench-recovery e2e-sky e2e-sky-nodes clean
+.PHONY: train test e2e chaos bench bench-heal bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
+
+# torch first and pinned, so nothing after it can pull another build. With no GPU here, the CPU
+# wheel from PyTorch's CPU index (the default index has the multi-GB CUDA one); where that index
+# can't be reached, the default index.
+TORCH := torch==2.13.0
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
 
 $(STAMP): pyproject.toml
+	$(PYTHON) -c 'import sys; v = sys.version_info[:2]; sys.exit(0 if (3, 11) <= v <= (3, 13) else f"monarch-sky needs Python 3.11-3.13 (torchmonarch and torchft wheels); $(PYTHON) is {v[0]}.{v[1]}: make PYTHON=python3.12")'
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	# torch first and pinned, so nothing after it can pull a CUDA build.
-	$(PY) -m pip install --quiet torch==2.13.0
+	@if command -v nvidia-smi >/dev/null 2>&1 || [ -e /dev/kfd ]; then \
+	  echo "monarch-sky: a GPU is here: $(TORCH) from the default index"; \
+	  $(PY) -m pip install --quiet $(TORCH); \
+	elif $(PY) -c "import urllib.request; urllib.request.urlopen('$(TORCH_CPU_INDEX)/torch/', timeout=10)" 2>/dev/null; then \
+	  echo "monarch-sky: no GPU here: $(TORCH) CPU wheel from $(TORCH_CPU_INDEX)"; \
+	  $(PY) -m pip install --quiet --index-url $(TORCH_CPU_INDEX) $(TORCH); \
+	else \
+	  echo "monarch-sky: no GPU here, and $(TORCH_CPU_INDEX) can't be reached: $(TORCH) from the default index"; \
+	  $(PY) -m pip install --quiet $(TORCH); \
+	fi
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
@@ -62,5 +77,9 @@ e2e-sky: $(STAMP) $(SKY_STAMP)
 e2e-sky-nodes: $(STAMP) $(SKY_STAMP)
 	bash tools/e2e_sky_nodes.sh
 
+# The virtual environments and caches; your run records in runs/ stay (`make clean-runs`).
 clean:
-	rm -rf $(VENV) $(SKY_VENV) runs wandb
+	rm -rf $(VENV) $(SKY_VENV) wandb .pytest_cache build *.egg-info
+
+clean-runs:
+	rm -rf runs
