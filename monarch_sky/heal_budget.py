@@ -122,7 +122,7 @@ def derive(
 def describe(
     recipe: str, procs_per_replica: int, platform_kind: str, median_step_s: float = 0.0, transport: str = "tcp"
 ) -> dict:
-    """A heal budget for the run record and the README."""
+    """A heal budget for the run record and the docs."""
     from monarch_sky.recipes import RECIPES
 
     params, largest = RECIPES[recipe].params, RECIPES[recipe].largest_param  # tests check them (built_sizes)

@@ -82,8 +82,8 @@ def hub_data(tokenizer_repo: str) -> dict[str, Any]:
 
 # Minutes between last-resort checkpoints for about 1% of the throughput: a save pauses
 # training for its staging, 12 bytes a parameter per rank (12.0 GB for 8B, 105.8 GB for 70B,
-# 8 ranks) at the 0.97-1.28 GB/s DCP staged here (tools/checkpoint_cost.py, README
-# "Checkpoints (last resort)"): 10-13 s and 83-109 s a save, every 16-21 and 138-181 min.
+# 8 ranks) at the 0.97-1.28 GB/s DCP staged here (tools/checkpoint_cost.py,
+# docs/checkpoints.md): 10-13 s and 83-109 s a save, every 16-21 and 138-181 min.
 CHECKPOINT_EVERY_MIN = {"llama3_8b": 20.0, "llama3_70b": 180.0}
 
 RECIPES: dict[str, Recipe] = {
