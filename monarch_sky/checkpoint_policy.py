@@ -122,10 +122,29 @@ class CheckpointPolicy:
         self.failed: list[dict[str, Any]] = []
         self._last_at: float | None = None  # when the interval started (training, or the last save)
         self._history: dict[int, dict[int, tuple]] = {}  # replica -> step -> per-rank data states
+        self.off_because: str | None = None  # why checkpoints were turned off although asked for
+        self.probe: str | None = None
+        if self.every_s > 0:
+            try:
+                self.probe = str(checkpoints.write_probe(self.folder, ctx.cfg.run_id))
+            except OSError as e:
+                self._turn_off(f"the controller cannot write {self.folder} ({e.strerror})")
 
     @property
     def enabled(self) -> bool:
-        return self.every_s > 0
+        return self.every_s > 0 and self.off_because is None
+
+    def check_seen(self, index: int, seen: bool | None) -> None:
+        """A group's hosts said whether they see the controller's probe in the checkpoint
+        folder: a save they wrote elsewhere would be lost with their node, so none is taken."""
+        if seen is False and self.enabled:
+            self._turn_off(f"replica {index}'s hosts do not see {self.folder}, which is on the controller's "
+                           "disk only: set RUN_DIR or checkpoint.folder to a folder every node mounts")
+
+    def _turn_off(self, reason: str) -> None:
+        self.off_because = reason
+        self.ctx.record.event("checkpoints_off", reason=reason)
+        self.ctx.display.line(f"monarch-sky: WARNING: checkpoints off: {reason} (docs/checkpoints.md)")
 
     def spec_for(self, index: int) -> CheckpointSpec | None:
         """What replica group `index`'s trainers build; None: no checkpointer at all."""
@@ -135,7 +154,8 @@ class CheckpointPolicy:
         if self.resume is not None:
             resume_step = self.resume.step
             data = tuple(self.resume.note.get("data_states", {}).get(str(index), ()))
-        return CheckpointSpec(str(self.folder), self.settings.async_mode, self.settings.keep, resume_step, data)
+        return CheckpointSpec(str(self.folder), self.settings.async_mode, self.settings.keep, resume_step, data,
+                              probe=self.probe)
 
     def after_progress_lost(self) -> str:
         """What the checkpoints offer once every group holding the state failed (the
@@ -242,4 +262,5 @@ class CheckpointPolicy:
             "failed": self.failed,
             "median_blocking_s": round(statistics.median(blocking), 4) if blocking else None,
             "resumed_from_step": self.resume.step if self.resume else None,
+            "off_because": self.off_because,
         }

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 NOTE = "monarch_sky.json"
+PROBE = ".seen-by-every-host"  # the controller writes it; each group says whether its hosts see it
 STEP_DIR = re.compile(r"step-(\d+)")
 TARGET_SHARE = 0.01  # a checkpoint interval costs about this share of the throughput
 
@@ -37,6 +38,7 @@ class CheckpointSpec:
     keep: int
     resume_step: int | None = None  # load this step at setup (never when rejoining)
     resume_data: tuple = ()  # per rank of this group: where its data continues
+    probe: str | None = None  # a file the controller wrote in `folder`: the trainer says if it sees it
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,23 @@ def discard_newer(folder: Path, step: int) -> list[str]:
 
 
 def files(folder: Path) -> list[str]:
-    """Every file under the checkpoint folder (checkpoint files and notes)."""
-    return [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names]
+    """Every file under the checkpoint folder (checkpoint files and notes, not the probe)."""
+    return [os.path.join(d, f) for d, _, names in os.walk(folder) for f in names if f != PROBE]
+
+
+def write_probe(folder: Path, run_id: str) -> Path:
+    """A file in the run's checkpoint folder that every host of every group must see: a folder
+    on the controller's own disk (not a shared mount) would keep each save on the node that
+    wrote it, where no restarted controller finds it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / PROBE
+    probe.write_text(run_id + "\n")
+    return probe
+
+
+def sees_probe(probe: str | None) -> bool | None:
+    """On a trainer's host: whether the controller's probe is visible here (None: no probe)."""
+    return None if probe is None else os.path.exists(probe)
 
 
 def write_note(folder: Path, step: int, note: dict[str, Any]) -> Path:

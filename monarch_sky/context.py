@@ -69,7 +69,13 @@ class RunContext:
             return f"its host has {platform}, the other groups {self.replica_platform}; every group needs the same accelerators"
         return None
 
-    def note_cross_group(self, index: int, link: str) -> None:
+    def note_group_started(self, index: int, info: dict[str, Any]) -> None:
+        """What a group's hosts said as it started: how it reaches the others, whether it sees
+        the checkpoint folder."""
+        self._note_cross_group(index, info.get("cross_group", ""))
+        self.checkpoints.check_seen(index, info.get("checkpoint_folder_seen"))
+
+    def _note_cross_group(self, index: int, link: str) -> None:
         """Say loudly, once per link, when a GPU group's cross-group traffic falls back to TCP."""
         if link in self.cross_group:
             return

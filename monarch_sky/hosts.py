@@ -178,7 +178,7 @@ class LocalHosts(HostProvider):
             env = {**os.environ, RUN_ID_ENV: self.run_id}
             log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else subprocess.DEVNULL
             proc = self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "monarch_sky", "worker", "--address", host.address],
+                self.worker_command(host),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -190,6 +190,9 @@ class LocalHosts(HostProvider):
             if log is not subprocess.DEVNULL:
                 log.close()
         return host, proc
+
+    def worker_command(self, host: Host) -> list[str]:
+        return [sys.executable, "-m", "monarch_sky", "worker", "--address", host.address]
 
     def controller_ip(self) -> str:
         return "127.0.0.1"

@@ -15,6 +15,7 @@ import time
 
 from monarch.actor import Actor, endpoint
 
+from monarch_sky import checkpoints
 from monarch_sky import digest as digest_mod
 from monarch_sky import platform as platform_mod
 from monarch_sky import test_hooks
@@ -64,6 +65,7 @@ class ReplicaActor(Actor):
             "pid": os.getpid(), "step": self.trainer.progress(), "build_s": time.perf_counter() - start,
             "platform": f"{plat.kind} x{plat.device_count}" if plat.device_count else plat.kind,
             "cross_group": platform_mod.cross_group_link(plat.kind),
+            "checkpoint_folder_seen": checkpoints.sees_probe(spec.checkpoint.probe if spec.checkpoint else None),
         }
 
     @endpoint
@@ -167,7 +169,9 @@ class ReplicaGroup:
         # address must be the first host's reachable IP; the port is picked on that host.
         _, port = await self._call(spmd.slice(hosts=0, gpus=0).get_host_port.call_one(None), timeout_s)
         await self._call(spmd.setup_env.call(self.hosts[0].ip, port), timeout_s)
-        info = (await self._call(self.actors.setup.call(spec, rejoining, data_states), timeout_s)).get(0)
+        per_rank = await self._call(self.actors.setup.call(spec, rejoining, data_states), timeout_s)
+        info = per_rank.get(0)
+        info["checkpoint_folder_seen"] = _all_seen([r["checkpoint_folder_seen"] for r in per_rank.values()])
         self.timings["build_s"] = round(info["build_s"], 3)
         return info
 
@@ -240,3 +244,8 @@ class ReplicaGroup:
         elif not self._failed.is_set():
             self.mark_failed(f"no answer within {timeout_s:.0f}s")
         raise GroupFailed(self.failure)
+
+
+def _all_seen(seen: list) -> bool | None:
+    """Whether every rank saw the checkpoint probe (None: there was none to see)."""
+    return None if all(s is None for s in seen) else all(s is True for s in seen)

@@ -87,7 +87,7 @@ class Slot:
                 self.lose(refused)
                 return False
             self.group = group
-            self.ctx.note_cross_group(self.index, info.get("cross_group", ""))
+            self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
                 hosts=[h.address for h in group.hosts],

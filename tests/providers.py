@@ -77,7 +77,20 @@ class BrokenHosts(LocalHosts):
         raise RuntimeError("controller_ip broke (test)")
 
 
-PROVIDERS = {"broken": BrokenHosts, "fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts,
+class PrivateDiskHosts(LocalHosts):
+    """Hosts with a disk of their own, as cloud nodes have: each worker runs in its own mount
+    namespace with an empty tmpfs over the run's record folder, so the controller's files there
+    (the checkpoint folder among them) are not visible to it. Needs root."""
+
+    record: Path | None = None  # the run's record folder, set by main
+
+    def worker_command(self, host: Host) -> list[str]:
+        hide = 'mount -t tmpfs tmpfs "$0" && exec "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "sh", "-c", hide, str(self.record),
+                *super().worker_command(host)]
+
+
+PROVIDERS = {"broken": BrokenHosts, "private-disk": PrivateDiskHosts, "fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts,
              "spare-dies-idle": SpareDiesIdleHosts}
 
 
@@ -91,7 +104,8 @@ def main(kind: str, overrides: list[str]) -> int:
     job = load_job(overrides)
     cfg = job.config
     provider = PROVIDERS[kind](cfg.run_id, provision_delay_s=cfg.hosts.provision_delay_s)
-    provider.events = Path(cfg.run_dir) / cfg.run_id / "events.jsonl"
+    provider.record = Path(cfg.run_dir).resolve() / cfg.run_id
+    provider.events = provider.record / "events.jsonl"
     return run_job(job, provider)
 
 

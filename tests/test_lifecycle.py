@@ -4,8 +4,10 @@ and goes on from the run's newest checkpoint when the run has them."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -181,6 +183,30 @@ def test_a_controller_on_a_new_machine_resumes_from_the_shared_checkpoint_folder
     assert run.summary["committed_steps"] == 40 and run.summary["outcome"]["status"] == "ok"
     assert other.is_dir(), "another run's checkpoint was touched"
     assert run.leftovers == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="hosts with a disk of their own are mount namespaces: root only")
+def test_checkpoints_into_a_folder_the_groups_hosts_cannot_see_stay_off_and_the_run_says_why(tmp_path):
+    """Cloud nodes have disks of their own: a checkpoint folder on the controller's disk alone
+    (the recipes' default without RUN_DIR) would keep each save on the node that wrote it, where
+    no restarted controller finds it. Here every host's worker gets an empty tmpfs over the run's
+    record folder (tests/providers.py private-disk): the run trains, saves nothing, and says why."""
+    tag = new_tag()
+    out = subprocess.run(
+        [sys.executable, "tests/providers.py", "private-disk", f"run_dir={tmp_path}", f"run_id={tag}", "replicas=2",
+         "procs_per_replica=1", "steps=15", "faults=none", "ft.standby=false", "checkpoint.every_min=0.01"],
+        cwd=REPO, env=cli_env(tag), capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    s = json.loads((tmp_path / tag / "summary.json").read_text())
+    reason = s["checkpoint"]["off_because"]
+    assert reason and str(tmp_path / tag / "checkpoints") in reason and "RUN_DIR" in reason, reason
+    assert s["checkpoint"]["saved_steps"] == [] and s["checkpoints_written"] == 0
+    assert s["committed_steps"] == 15 and s["outcome"]["status"] == "ok"
+    events = [json.loads(line)["event"] for line in (tmp_path / tag / "events.jsonl").read_text().splitlines()]
+    assert "checkpoints_off" in events and "checkpoints_on" not in events and "checkpoint_staged" not in events
+    assert "WARNING: checkpoints off" in out.stdout
+    assert leftovers(tag) == []
 
 
 @pytest.mark.chaos
