@@ -82,7 +82,8 @@ class Controller:
             ctx.record.event("training_started", replicas=len(self.slots))
             ctx.in_background(self._detect())
             if ctx.cfg.chaos.every_s > 0:
-                ctx.in_background(ctx.injector.chaos(ctx.cfg.chaos, ctx.cfg.replicas, ctx.cfg.steps, self._training, lambda: ctx.ledger.run_step))
+                ctx.in_background(ctx.injector.chaos(ctx.cfg.chaos, ctx.cfg.replicas, ctx.cfg.steps, self._training,
+                                                     lambda: ctx.ledger.run_step, self._time_left_s))
             await self._drive_all()
             ctx.ledger.flush(final=True)
             final, errors = await self._final_states()
@@ -98,6 +99,10 @@ class Controller:
         summary["outcome"] = outcome
         summary["left_running"] = self.left_running
         return summary
+
+    def _time_left_s(self) -> float:
+        """The rest of the run at the recent pace."""
+        return (self.ctx.cfg.steps - self.ctx.ledger.run_step) * self.ctx.ledger.median_step_s()
 
     def _training(self) -> list[Slot]:
         return [s for s in self.slots if s.state is SlotState.TRAINING and s.group is not None]

@@ -18,6 +18,18 @@ from monarch_sky.faults import PROCESS_KINDS, Fault
 from monarch_sky.step_result import HealInfo, StepResult
 
 
+# Before a run has healed a fault of a kind: a guess at how long one takes (a host: a new
+# host or a spare, a spawn, a heal; a process: the standby builds and heals).
+FIRST_HEAL_S = {"host": 30.0, "process": 10.0}
+
+
+def too_late(run_step: int, steps: int, time_left_s: float, heal_s: float) -> bool:
+    """Whether a chaos fault now would likely end the run before it heals: in the last tenth
+    of the steps, or with less time left at the current pace than the heal takes. (The last
+    tenth alone was not enough: a host fault 21 steps from the end of a fast run left 3 s.)"""
+    return run_step >= 0.9 * steps or time_left_s < heal_s
+
+
 @dataclass
 class FaultRecord:
     fault: Fault
@@ -93,22 +105,31 @@ class FaultInjector:
         self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step)
         self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}")
 
-    async def chaos(self, settings, replicas: int, steps: int, training: Callable[[], list], run_step: Callable[[], int]) -> None:
+    async def chaos(self, settings, replicas: int, steps: int, training: Callable[[], list], run_step: Callable[[], int],
+                    time_left_s: Callable[[], float]) -> None:
         """Random faults at exponential gaps (mean `chaos.every_s`), reproducible from
         `chaos.seed` (`chaos_draws`: the same schedule `make bench` gives every arm). A
-        fault goes only where another group keeps training to heal from, and the last
-        tenth of the run gets none, so every fault has time to heal. (A real cluster makes
-        no such promise: every group failing at once loses the state.)"""
+        fault goes only where another group keeps training to heal from, and only while the
+        run has time left to heal it (`too_late`). (A real cluster makes no such promise:
+        every group failing at once loses the state.)"""
         for gap_s, kind, replica in chaos_draws(settings.every_s, settings.kinds, settings.seed, replicas):
             await asyncio.sleep(gap_s)
             # A group whose fault is not healed yet may not know it has failed: not eligible.
             ready = {slot.index: slot for slot in training() if not self.open_faults(slot.index)}
-            if replica not in ready or len(ready) < 2 or run_step() >= 0.9 * steps:
-                self.record.event("chaos_skipped", kind=kind, replica=replica, step=run_step(), training=len(ready))
+            late = too_late(run_step(), steps, time_left_s(), self.heal_allowance_s(kind))
+            if replica not in ready or len(ready) < 2 or late:
+                self.record.event("chaos_skipped", kind=kind, replica=replica, step=run_step(), training=len(ready),
+                                  too_late=late)
                 continue
             slot = ready[replica]
             fault = Fault(kind, max(run_step(), 1), replica)
             self.inject(fault, slot.group, slot.kill_host, delay_s=0.0, run_step=run_step())
+
+    def heal_allowance_s(self, kind: str) -> float:
+        """How long a fault of `kind` may take to heal: 1.5 times the slowest heal of that kind
+        in this run so far, or a first guess before one was seen."""
+        seen = [r.rejoined_at - r.injected_at for r in self.records if r.fault.kind == kind and r.rejoined_at]
+        return 1.5 * max(seen) if seen else FIRST_HEAL_S.get(kind, FIRST_HEAL_S["process"])
 
     def open_faults(self, replica: int) -> list[FaultRecord]:
         """Faults of `replica` whose group has not rejoined yet."""

@@ -1,0 +1,40 @@
+"""The chaos injector's rule of when a random fault still has time to heal."""
+
+from __future__ import annotations
+
+from monarch_sky.faults import Fault
+from monarch_sky.injector import FIRST_HEAL_S, FaultInjector, FaultRecord, too_late
+
+
+class Quiet:
+    def event(self, *a, **k):
+        pass
+
+    def line(self, *a, **k):
+        pass
+
+    def note(self, *a, **k):
+        pass
+
+
+def injector() -> FaultInjector:
+    return FaultInjector([], seed=0, ranks_per_replica=2, record=Quiet(), display=Quiet(), tracker=Quiet())
+
+
+def test_a_fault_near_the_end_of_a_fast_run_is_too_late_although_outside_the_last_tenth():
+    # The case `make chaos` once hit: a host fault at step 179 of 200, at 0.15 s a step.
+    assert too_late(179, 200, time_left_s=21 * 0.15, heal_s=FIRST_HEAL_S["host"])
+    assert not too_late(100, 200, time_left_s=100 * 0.5, heal_s=FIRST_HEAL_S["host"])
+    assert too_late(180, 200, time_left_s=1e9, heal_s=1.0), "the last tenth gets none, however slow"
+
+
+def test_the_allowance_follows_the_slowest_heal_of_the_kind_seen_so_far():
+    inj = injector()
+    assert inj.heal_allowance_s("host") == FIRST_HEAL_S["host"]
+    assert inj.heal_allowance_s("kill") == FIRST_HEAL_S["process"]
+    for seconds in (12.0, 20.0):
+        inj.records.append(FaultRecord(Fault("host", 10, 1), None, injected_at=100.0, generation=0,
+                                       rejoined_at=100.0 + seconds))
+    inj.records.append(FaultRecord(Fault("host", 20, 1), None, injected_at=200.0, generation=1))  # not healed yet
+    assert inj.heal_allowance_s("host") == 1.5 * 20.0
+    assert inj.heal_allowance_s("kill") == FIRST_HEAL_S["process"]
