@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import sys
 import time
@@ -10,6 +11,9 @@ from typing import Any, TextIO
 
 
 LOG_EVERY_S = 30.0  # off a terminal (sky logs, CI, a file): a progress line this often
+# What the user is shown, for the run's controller.log only (run.py attaches the file to it).
+STORY = logging.getLogger("monarch_sky.display")
+STORY.propagate = False
 
 
 class Display:
@@ -24,6 +28,7 @@ class Display:
         self._clock = clock
 
     def line(self, text: str) -> None:
+        STORY.info(text)
         self._clear()
         print(text, file=self.stream, flush=True)
         self._redraw()
@@ -47,11 +52,14 @@ class Display:
             f"{per_s:5.2f} step/s  eta {_duration(eta_s(step, self.target, per_s))}  {tokens_per_s:8.0f} tok/s  "
             f"quorum {quorum}/{replicas}  training {training}/{replicas}  faults {faults}  recovered {recovered}"
         )
+        due = now >= self._next_log or step >= self.target
+        if due:
+            self._next_log = now + self.log_every_s
+            STORY.info(text)
         if self.live:
             self._status = text
             self._redraw()
-        elif now >= self._next_log or step >= self.target:
-            self._next_log = now + self.log_every_s
+        elif due:
             print(text, file=self.stream, flush=True)
 
     def _clear(self) -> None:
@@ -68,6 +76,7 @@ class Display:
     def finish(self, summary: dict[str, Any], record_path: str, tracker_mode: str, wandb_location: str | None) -> None:
         self._clear()
         self._status = ""
+        STORY.info(format_summary(summary))
         print(format_summary(summary), file=self.stream)
         print(f"run record: {record_path}/ (summary.json, events.jsonl, controller.log, config.yaml)", file=self.stream)
         print(_wandb_line(tracker_mode, wandb_location), file=self.stream, flush=True)

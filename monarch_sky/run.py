@@ -18,7 +18,7 @@ from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
 from monarch_sky.outcome import failed, stopped
-from monarch_sky.progress import Display, group_shape
+from monarch_sky.progress import STORY, Display, group_shape
 from monarch_sky.tracking import RunFinished, RunRecord, Tracker, previous_attempt
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     finally:
         record.close()
         logging.getLogger().removeHandler(log_file)
+        STORY.removeHandler(log_file)
         log_file.close()
     return summary["outcome"]["exit_code"]
 
@@ -157,6 +158,8 @@ def _log_to_file(path) -> logging.FileHandler:
         console.setLevel(max(console.level, _log_level()))
     root.setLevel(min(root.level, level))
     root.addHandler(handler)
+    STORY.setLevel(logging.INFO)
+    STORY.addHandler(handler)  # the lines the user saw, between the warnings and tracebacks
     return handler
 
 
