@@ -81,8 +81,8 @@ def _parser(command: str | None) -> Parser:
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _job_arguments(train)
     train.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
-                       help="the controller's log level (default: $MONARCH_SKY_LOG or warning); "
-                       "every level's full log is in the run folder's controller.log")
+                       help="the console's log level (default: $MONARCH_SKY_LOG or warning); the run folder's "
+                       "controller.log keeps INFO and up (DEBUG with debug) and every traceback")
     config = sub.add_parser("config", help="print the resolved config of a train command, validated (exit 2 on errors)")
     _job_arguments(config)
 
