@@ -135,6 +135,10 @@ class Job:
     config: DictConfig
     faults: list[Fault]
 
+    @property
+    def faults_text(self) -> str:
+        return ", ".join(map(str, self.faults)) or "none"
+
     def to_dict(self) -> dict[str, Any]:
         return OmegaConf.to_container(self.config, resolve=True)
 
@@ -243,5 +247,4 @@ def _keys_at(parent: str) -> list[str]:
 
 def resolved_yaml(job: Job) -> str:
     """The job as `monarch-sky config` prints it and the run record keeps it (config.yaml)."""
-    faults = ", ".join(map(str, job.faults)) or "none"
-    return OmegaConf.to_yaml(job.config) + f"# faults injected: {faults}\n"
+    return OmegaConf.to_yaml(job.config) + f"# faults injected: {job.faults_text}\n"

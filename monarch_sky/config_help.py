@@ -9,7 +9,7 @@ import inspect
 import io
 import tokenize
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from monarch_sky import config
 from monarch_sky.recipes import RECIPES
@@ -21,16 +21,15 @@ def key_table(recipe: str | None = None) -> list[tuple[str, str, str]]:
     comments = _field_comments()
     rows: list[tuple[str, str, str]] = []
     recipe = recipe or config.JobConfig.recipe
-    defaults = OmegaConf.merge(OmegaConf.structured(config.JobConfig), RECIPES[recipe].job_defaults)
+    defaults = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(config.JobConfig), RECIPES[recipe].job_defaults))
 
-    def walk(cls, node, prefix: str) -> None:
+    def walk(cls, values: dict, prefix: str) -> None:
         for f in dataclasses.fields(cls):
-            value = node._get_node(f.name)
-            if isinstance(value, DictConfig):
-                walk(f.default_factory().__class__, value, f"{prefix}{f.name}.")
-                continue
-            shown = "???" if OmegaConf.is_missing(node, f.name) else _show(OmegaConf.to_container(node)[f.name])
-            rows.append((prefix + f.name, shown, comments.get((cls.__name__, f.name), "")))
+            value = values[f.name]
+            if isinstance(value, dict):  # a section: its dataclass is the field's default
+                walk(type(f.default_factory()), value, f"{prefix}{f.name}.")
+            else:
+                rows.append((prefix + f.name, _show(value), comments.get((cls.__name__, f.name), "")))
 
     walk(config.JobConfig, defaults, "")
     return rows

@@ -90,10 +90,9 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     if previous is not None:
         record.event("controller_restarted", **previous)
     record.event("run_started", config=job.to_dict())
-    faults = ", ".join(map(str, job.faults)) or "none"
     display.line(
         f"monarch-sky run {run_id}: {cfg.recipe}, {cfg.replicas} replica groups x "
-        f"{group_shape(cfg.procs_per_replica, cfg.hosts_per_replica)}, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {faults}"
+        f"{group_shape(cfg.procs_per_replica, cfg.hosts_per_replica)}, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {job.faults_text}"
     )
     tracker = Tracker(cfg.wandb, run_id, record.path, job.to_dict())
     if provider is None:

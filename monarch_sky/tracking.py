@@ -164,7 +164,7 @@ class Tracker:
                 resume="allow",
                 settings=wandb.Settings(silent=True, console="off"),
             )
-            # online: the run's page; offline: its folder (`wandb sync` of its parent uploads it)
+            # online: the run's page; offline: its run folder, what `wandb sync` uploads
             self.location = self.run.url if self.mode == "online" else str(Path(self.run.dir).parent)
         except Exception as e:  # tracking must never stop training
             self._fail("init", e)
