@@ -15,10 +15,24 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 from monarch_sky import test_hooks
 
+
+@dataclass(frozen=True)
+class DataHandover:
+    """Where a group's next generation starts reading.
+
+    `states`: per rank, the dataloader state at the last point whose training stands, as
+    the group's last step result reported it. `skip_steps`: steps of batches trained after
+    that report, by a commit the controller never heard of (a rank died after its group's
+    commit; `rejoin.trained_unreported`).
+    """
+
+    states: tuple = ()
+    skip_steps: int = 0
 
 
 class DataPosition:
@@ -38,6 +52,13 @@ class DataPosition:
         if self._log:
             self._pending += [_hash(labels) for _, labels in batches]
         return batches
+
+    def skip(self, count: int) -> None:
+        """Pass over `count` batches that an earlier generation trained on but never reported."""
+        for _ in range(count):
+            next(self._batches)
+        if count:
+            self.kept = self._loader.state_dict()
 
     def keep(self) -> None:
         """The batches drawn since the kept position were trained on, for good."""

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
+from monarch_sky.data_position import DataHandover
 from monarch_sky.detection import kill_on_hosts, start_host_agent, unless_a_host_dies
 from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import ReplicaGroup
@@ -241,7 +242,7 @@ class Generations:
         if self.ctx.cfg.ft.standby and not self.ctx.finishing and self.standby is None:
             self.standby = asyncio.ensure_future(self.spawn())
 
-    async def build(self, rejoining: bool, data: tuple) -> tuple[ReplicaGroup, bool, dict]:
+    async def build(self, rejoining: bool, data: DataHandover) -> tuple[ReplicaGroup, bool, dict]:
         """A generation set up to train (from the warm standby if it is alive) and whether it
         was warm, and its setup's answer; raises if it fails, HostError as soon as one of the
         group's hosts dies meanwhile (not after `timeouts.spawn_s`)."""
@@ -253,7 +254,7 @@ class Generations:
         self.ctx.keep(build)
         raise HostError(f"host {host.name} ({host.address}) died while generation {self.spawned - 1} was being built")
 
-    async def _build(self, rejoining: bool, data: tuple) -> tuple[ReplicaGroup, bool, dict]:
+    async def _build(self, rejoining: bool, data: DataHandover) -> tuple[ReplicaGroup, bool, dict]:
         group = None
         try:
             group, warm = await self.take()

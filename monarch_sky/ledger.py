@@ -9,12 +9,15 @@ is logged (W&B, the live status line, progress events) once the run has moved pa
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from monarch_sky.step_result import StepResult
+
+QUORUM_HISTORY = 1024  # steps whose quorum members are kept (bounded at any run length)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class StepLedger:
         self.start_time = time.monotonic()
         self.step_seconds = 1.0  # moving average, used to land faults mid-step
         self._recent = deque(maxlen=50)  # seconds of recent committed steps
+        self.quorums: dict[int, tuple[str, ...]] = {}  # step -> the members of the quorum that committed it
 
     def add(self, r: StepResult, now: float) -> None:
         self.step_seconds = 0.8 * self.step_seconds + 0.2 * r.seconds
@@ -58,6 +62,7 @@ class StepLedger:
         if not r.committed:
             return
         self._recent.append(r.seconds)
+        self._keep_quorum(r)
         stats = self.steps.setdefault(r.step, StepStats(first_seen=now))
         if r.loss is not None:
             stats.losses.append(r.loss)
@@ -66,6 +71,14 @@ class StepLedger:
         stats.replicas.add(r.replica)
         self.run_step = max(self.run_step, r.step)
         self.flush()
+
+    def _keep_quorum(self, r: StepResult) -> None:
+        if not (r.synced and r.quorum):
+            return
+        self.quorums.pop(r.step, None)  # the latest commit of a step number counts (after a progress loss)
+        self.quorums[r.step] = tuple(sys.intern(m) for m in r.quorum)
+        while len(self.quorums) > QUORUM_HISTORY:
+            del self.quorums[next(iter(self.quorums))]
 
     def flush(self, final: bool = False) -> None:
         """Log each step once the run has moved past it (or at the end)."""

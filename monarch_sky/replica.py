@@ -19,6 +19,7 @@ from monarch_sky import checkpoints
 from monarch_sky import digest as digest_mod
 from monarch_sky import platform as platform_mod
 from monarch_sky import test_hooks
+from monarch_sky.data_position import DataHandover
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.step_result import StepResult, combine
 from monarch_sky.supervision import resolved
@@ -45,19 +46,18 @@ class ReplicaActor(Actor):
         return time.perf_counter() - start
 
     @endpoint
-    def setup(self, spec: TrainerSpec, rejoining: bool, data_states: tuple) -> dict:
+    def setup(self, spec: TrainerSpec, rejoining: bool, data: DataHandover) -> dict:
         """Build the trainer (after `warm`); TorchFT joins the lighthouse on the first step.
 
         `rejoining`: the group joins a job already training, so it must heal from a peer.
-        `data_states`: per rank, where the previous generation's kept training left its data.
+        `data`: where the previous generation's kept training left each rank's data.
         """
         start = time.perf_counter()
         from monarch_sky.trainer import GroupTrainer
 
         rank = int(os.environ["RANK"])  # set by the group's SPMD setup
-        data_state = data_states[rank] if data_states else None
         self.spec = spec
-        self.trainer = GroupTrainer(self.spec, rejoining, data_state)
+        self.trainer = GroupTrainer(self.spec, rejoining, data, rank)
         test_hooks.leak_a_process(spec.replica, rank)
         plat = self.trainer.platform
         platform_mod.yield_cpu_to_recovery(plat.kind)
@@ -160,7 +160,7 @@ class ReplicaGroup:
         imports = await self._call(self.actors.warm.call(), timeout_s)
         self.timings["import_s"] = round(max(imports.values()), 3)
 
-    async def setup(self, spec: TrainerSpec, rejoining: bool, data_states: tuple, timeout_s: float) -> dict:
+    async def setup(self, spec: TrainerSpec, rejoining: bool, data: DataHandover, timeout_s: float) -> dict:
         """Build the trainer on every rank; the group joins TorchFT on its first step."""
         from monarch.spmd import SPMDActor
 
@@ -169,7 +169,7 @@ class ReplicaGroup:
         # address must be the first host's reachable IP; the port is picked on that host.
         _, port = await self._call(spmd.slice(hosts=0, gpus=0).get_host_port.call_one(None), timeout_s)
         await self._call(spmd.setup_env.call(self.hosts[0].ip, port), timeout_s)
-        per_rank = await self._call(self.actors.setup.call(spec, rejoining, data_states), timeout_s)
+        per_rank = await self._call(self.actors.setup.call(spec, rejoining, data), timeout_s)
         info = per_rank.get(0)
         info["checkpoint_folder_seen"] = _all_seen([r["checkpoint_folder_seen"] for r in per_rank.values()])
         self.timings["build_s"] = round(info["build_s"], 3)

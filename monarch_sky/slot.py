@@ -20,6 +20,7 @@ from typing import Any
 
 from monarch_sky import rejoin
 from monarch_sky.context import RunContext
+from monarch_sky.data_position import DataHandover
 from monarch_sky.detection import kill_on_hosts
 from monarch_sky.generations import Generations
 from monarch_sky.hosts import Host
@@ -48,6 +49,8 @@ class Slot:
         self.step = 0
         self.uncommitted = 0  # steps this slot's groups ran that TorchFT did not commit
         self.data_states: tuple = ()  # per rank: where the group's kept training left its data
+        self.skip_steps = 0  # steps of batches trained after `data_states` (rejoin.trained_unreported)
+        self.member = ""  # this generation's id in TorchFT's quorum, once it reported one
         self.in_flight_since: float | None = None  # when the step call now running was issued
         self.last_failure: str | None = None  # why the last recovery attempt failed
         self.last_commit_issued = 0.0  # when the last step this slot committed across groups was issued
@@ -73,7 +76,8 @@ class Slot:
         while True:
             began = time.monotonic()
             try:
-                group, warm, info = await self.gens.build(rejoining, self.data_states if rejoining else ())
+                data = DataHandover(self.data_states, self.skip_steps) if rejoining else DataHandover()
+                group, warm, info = await self.gens.build(rejoining, data)
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
@@ -86,7 +90,7 @@ class Slot:
                 await self.gens.discard(group)
                 self.lose(refused)
                 return False
-            self.group = group
+            self.group, self.member = group, ""
             self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
@@ -172,7 +176,9 @@ class Slot:
         ctx, now = self.ctx, time.monotonic()
         self.step = r.step
         self.uncommitted += not r.committed
-        self.data_states = r.data_states or self.data_states
+        if r.data_states:
+            self.data_states, self.skip_steps = r.data_states, 0
+        self.member = r.member or self.member
         if r.healed_now:
             self.heal = HealInfo.of(r)
         pause_s = max(0.0, r.seconds - ctx.ledger.median_step_s())
@@ -283,6 +289,7 @@ class Slot:
         if lost:  # raises HostError (a restart of this slot) if no host comes
             await self.gens.replace_hosts(lost)
         await rejoin.wait_for_survivors_commit(self.ctx, self)
+        self.skip_steps += rejoin.trained_unreported(self.ctx, self)
         if not await self.activate(rejoining=True):
             return
         if self.ctx.finishing:

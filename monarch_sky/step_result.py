@@ -31,6 +31,8 @@ class StepResult:
     # Per rank (rank order): the dataloader state at the last point whose training stands;
     # the group's next generation continues its data exactly there.
     data_states: tuple = ()
+    member: str = ""  # this generation's id in TorchFT's quorum of this step ("": no quorum ran)
+    quorum: tuple = ()  # every member's id in that quorum
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ would otherwise depend on luck. Users never set them.
 from __future__ import annotations
 
 import os
+import signal
+from typing import Callable
 
 REFUSE_REJOIN_COMMIT_ENV = "MONARCH_SKY_TEST_REFUSE_REJOIN_COMMIT"
 PERTURB_REPLICA_ENV = "MONARCH_SKY_TEST_PERTURB_REPLICA"
@@ -14,6 +16,7 @@ BATCH_LOG_ENV = "MONARCH_SKY_TEST_BATCH_LOG"
 HEAL_PACE_ENV = "MONARCH_SKY_TEST_HEAL_PACE"
 HEAL_TIMEOUT_ENV = "MONARCH_SKY_TEST_HEAL_TIMEOUT_S"
 LEAK_ENV = "MONARCH_SKY_TEST_LEAK"
+DIE_AFTER_COMMIT_ENV = "MONARCH_SKY_TEST_DIE_AFTER_COMMIT"
 
 
 def refuse_rejoin_commit() -> bool:
@@ -49,3 +52,12 @@ def leak_a_process(replica: int, rank: int) -> None:
         import subprocess
 
         subprocess.Popen(["sleep", "600"], start_new_session=True)
+
+
+def die_after_commit(replica: int, rank: int, step: int, log_kept: Callable[[], None]) -> None:
+    """`REPLICA:STEP`: that replica's rank 0, in its first generation, dies right after its
+    group committed step STEP, before the step's answer leaves (`log_kept` first writes the
+    batch log: those batches were trained)."""
+    if os.environ.get(DIE_AFTER_COMMIT_ENV) == f"{replica}:{step}" and rank == 0:
+        log_kept()
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -23,8 +23,9 @@ import torch
 
 from monarch_sky import platform as platform_mod
 from monarch_sky import heal_transport, test_hooks, trainer_checkpoint
-from monarch_sky.data_position import DataPosition
+from monarch_sky.data_position import DataHandover, DataPosition
 from monarch_sky.digest import shard_digest
+from monarch_sky.quorum_members import QuorumMembers
 from monarch_sky.recipes import RECIPES, TrainerSpec
 from monarch_sky.step_result import StepResult
 
@@ -49,7 +50,7 @@ REJOIN_KEY = "monarch_sky_rejoin"
 
 
 class GroupTrainer:
-    def __init__(self, spec: TrainerSpec, rejoining: bool = False, data_state: dict | None = None):
+    def __init__(self, spec: TrainerSpec, rejoining: bool = False, data: DataHandover = DataHandover(), rank: int = 0):
         plat = import_torchtitan()
         self.spec = spec = spec.on_host(plat.kind)  # bf16, activation checkpoints, nccl on GPUs
         self.platform = plat
@@ -61,11 +62,12 @@ class GroupTrainer:
         self._joined = not rejoining
         self._decision: bool | None = None  # what TorchFT's should_commit said this step
         self._refuse_a_commit = rejoining and test_hooks.refuse_rejoin_commit()
-        self._build(RECIPES[spec.recipe].build_trainer(spec), plat, data_state)
+        self._rank = rank
+        self._build(RECIPES[spec.recipe].build_trainer(spec), plat, data)
         global ACTIVE
         ACTIVE = self
 
-    def _build(self, config, plat, data_state: dict | None) -> None:
+    def _build(self, config, plat, data: DataHandover) -> None:
         from torchtitan.experiments.torchft.manager import maybe_semi_sync_training
         from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
 
@@ -76,6 +78,7 @@ class GroupTrainer:
         ft = self.spec.ft
         self.transport = heal_transport.install(self.manager, ft["heal_transport"], ft["mode"], ft["timeout_s"])
         self._record_commit_decisions()
+        self._quorum = QuorumMembers(self.manager)
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
         self.state = RankLocalState(trainer, on_load=self._mark_healed)
@@ -87,7 +90,7 @@ class GroupTrainer:
         self.checkpoint, resumed_data = trainer_checkpoint.attach(
             trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress
         )
-        data_state = data_state or resumed_data
+        data_state = data.states[self._rank] if data.states else resumed_data
         self._context = contextlib.ExitStack()
         semi_sync = self._context.enter_context(
             maybe_semi_sync_training(
@@ -103,9 +106,9 @@ class GroupTrainer:
             # Registered after DiLoCo's own state, so it loads last (see `_contribute_nothing`).
             self.manager.register_state_dict_fn(REJOIN_KEY, self._contribute_nothing, dict)
             self._fragments = semi_sync._fragments  # torchft has no public accessor
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        name = f"replica{self.spec.replica}-rank{rank}"
+        name = f"replica{self.spec.replica}-rank{self._rank}"
         self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)
+        self._data.skip(data.skip_steps * trainer.gradient_accumulation_steps)
         self._params = [p for m in trainer.model_parts for p in m.parameters()]
         if self._rejoining:
             heal_transport.prepare_receive(self.transport, self._params, copies=5 if self._diloco else 3)
@@ -187,6 +190,9 @@ class GroupTrainer:
             self.checkpoint.before_update()
         trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
         synced = self._decision is True
+        member, quorum = self._quorum.take()
+        if synced and not self._rejoining:
+            test_hooks.die_after_commit(self.spec.replica, self._rank, self.progress(), self._data.keep)
         committed = self._account(self._decision)
         if committed:
             trainer.lr_schedulers.step()
@@ -210,6 +216,8 @@ class GroupTrainer:
             heal_bytes=self._take_heal_bytes(),
             seconds=time.perf_counter() - start,
             data_states=(self._data.kept,),
+            member=member,
+            quorum=quorum if self._rank == 0 else (),  # the same on every rank: sent once
             **heal_transport.step_stats(self.transport),
         )
 
@@ -245,6 +253,7 @@ class GroupTrainer:
         self._inner_steps = 0
         self._align_schedule()
         healed_now, self._healed_now = self._healed_now, False
+        member, quorum = self._quorum.take()
         return StepResult(
             replica=self.spec.replica,
             step=self.progress(),
@@ -258,6 +267,8 @@ class GroupTrainer:
             heal_bytes=self._take_heal_bytes(),
             seconds=time.perf_counter() - start,
             data_states=(self._data.kept,),
+            member=member,
+            quorum=quorum if self._rank == 0 else (),
             **heal_transport.step_stats(self.transport),
         )
 

@@ -3,7 +3,8 @@
 Each rank logs (test hook) the hashes of the batches it drew, and whether their training
 stood. Over a run with a kill, the batches a group kept never repeat, and they are exactly
 the batches the same group keeps in a run without the fault, in the same order: the group
-skips nothing and replays nothing, it only gets there later.
+skips nothing and replays nothing, it only gets there later. The same holds when a rank
+dies right after its group's commit, before the step's answer reached the controller.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from conftest import train
 
 JOB = ("replicas=2", "steps=30", "seed=3")
@@ -30,20 +32,41 @@ def kept_batches(log_dir: Path) -> dict[str, list[str]]:
     return kept
 
 
-def test_a_healed_group_neither_replays_nor_skips_data(tmp_path):
-    logs = {name: tmp_path / f"batches-{name}" for name in ("clean", "kill")}
-    for log in logs.values():
-        log.mkdir()
-    clean = train(tmp_path / "clean", *JOB, "faults=none", env={"MONARCH_SKY_TEST_BATCH_LOG": str(logs["clean"])})
-    assert clean.returncode == 0, clean.output[-3000:]
-    faulty = train(tmp_path / "kill", *JOB, "faults=kill@10:1", env={"MONARCH_SKY_TEST_BATCH_LOG": str(logs["kill"])})
-    assert faulty.returncode == 0, faulty.output[-3000:]
-    [fault] = faulty.summary["faults"]
-    assert fault["recovered_from"] == "peer"
+def run_logging_batches(path: Path, *overrides: str, env: dict | None = None):
+    log = path / "batches"
+    log.mkdir(parents=True)
+    run = train(path, *JOB, *overrides, env={"MONARCH_SKY_TEST_BATCH_LOG": str(log), **(env or {})})
+    assert run.returncode == 0, run.output[-3000:]
+    return run, kept_batches(log)
 
-    expected, seen = kept_batches(logs["clean"]), kept_batches(logs["kill"])
+
+@pytest.fixture(scope="module")
+def clean_batches(tmp_path_factory) -> dict[str, list[str]]:
+    return run_logging_batches(tmp_path_factory.mktemp("clean"), "faults=none")[1]
+
+
+def assert_neither_replayed_nor_skipped(seen: dict[str, list[str]], expected: dict[str, list[str]]) -> None:
     assert sorted(seen) == sorted(expected) == [f"replica{r}-rank{k}" for r in (0, 1) for k in (0, 1)]
     for name, batches in seen.items():
         assert len(batches) == len(set(batches)), f"{name} trained on a batch twice"
         assert batches == expected[name][: len(batches)], f"{name} skipped or reordered data"
         assert len(batches) > 10, f"{name} kept too little to show anything"
+
+
+def test_a_healed_group_neither_replays_nor_skips_data(tmp_path, clean_batches):
+    faulty, seen = run_logging_batches(tmp_path, "faults=kill@10:1")
+    [fault] = faulty.summary["faults"]
+    assert fault["recovered_from"] == "peer"
+    assert_neither_replayed_nor_skipped(seen, clean_batches)
+
+
+def test_a_group_that_died_after_its_commit_does_not_train_that_steps_batches_again(tmp_path, clean_batches):
+    # Replica 1's rank 0 dies right after its group committed step 10, before the answer
+    # leaves: the others' step-10 commit counted replica 1, so its batches were trained.
+    run, seen = run_logging_batches(tmp_path, "faults=none", env={"MONARCH_SKY_TEST_DIE_AFTER_COMMIT": "1:10"})
+    [failure] = run.summary["unplanned_failures"]
+    assert failure["replica"] == 1 and failure["step"] == 9, failure  # its last answer was step 9
+    assert [(e["replica"], e["step"]) for e in run.events if e["event"] == "trained_unreported"] == [(1, 10)]
+    rejoined = [e for e in run.events if e["event"] == "replica_rejoined"]
+    assert [(e["replica"], e["recovered_from"]) for e in rejoined] == [(1, "peer")]
+    assert_neither_replayed_nor_skipped(seen, clean_batches)

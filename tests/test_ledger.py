@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from monarch_sky.ledger import StatusCounts, StepLedger
+from monarch_sky.ledger import QUORUM_HISTORY, StatusCounts, StepLedger
 from monarch_sky.step_result import StepResult
 from monarch_sky.tracking import STEPS_TAIL_BYTES, previous_attempt
 
@@ -26,20 +26,23 @@ class Sink:
         pass
 
 
-def result(replica: int, step: int, loss: float) -> StepResult:
+def result(replica: int, step: int, loss: float, quorum: tuple = ()) -> StepResult:
     return StepResult(replica=replica, step=step, committed=True, synced=True, loss=loss, tokens=10, participants=2,
-                      healed=False, healed_now=False, seconds=0.01)
+                      healed=False, healed_now=False, seconds=0.01, quorum=quorum)
 
 
 def test_the_ledger_keeps_only_the_steps_it_has_not_logged():
     sink = Sink()
     ledger = StepLedger(10_000, sink, sink, sink, lambda: StatusCounts(2, 2, 0, 0))
+    members = ("replica_0:a", "replica_1:b")
     for step in range(1, 10_001):
         for replica in (0, 1):
-            ledger.add(result(replica, step, loss=10.0 - step / 1000), now=step)
-    ledger.add(result(1, 5, loss=99.0), now=10_001)  # a late group's old step
+            ledger.add(result(replica, step, loss=10.0 - step / 1000, quorum=members), now=step)
+    ledger.add(result(1, 5, loss=99.0, quorum=members[1:]), now=10_001)  # a late group's old step
     ledger.flush(final=True)
     assert len(ledger.steps) <= 2, len(ledger.steps)
+    assert len(ledger.quorums) == QUORUM_HISTORY and ledger.quorums[10_000] == members
+    assert ledger.quorums[5] == members[1:], "the latest commit of a step number counts"
     assert [s for s, _ in sink.logged] == list(range(1, 10_001)), "every step logged once, in order"
     assert ledger.first_and_last_loss() == {"first": 9.999, "last": 0.0}
 
