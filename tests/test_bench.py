@@ -13,7 +13,8 @@ import pytest
 
 from monarch_sky.bench import metrics
 from monarch_sky.bench.outside_chaos import OutsideChaos
-from monarch_sky.bench.runner import RATIOS
+from monarch_sky.bench.report import bench_markdown
+from monarch_sky.bench.runner import RATIOS, ratio_spread
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -31,6 +32,7 @@ def test_a_restart_from_a_checkpoint_keeps_only_the_last_run_of_each_step():
     assert stats["step_efficiency"] == round(5 / 7, 4)  # steps 3 and 4 ran twice
     assert stats["goodput"] == round(5 / 14, 4)
     assert stats["time_to_target_s"] == 13.0
+    assert stats["work_rate"] == round(5 / 13, 4)  # kept steps 1, 2, 3, 4, 5 by the target
     assert stats["committed_steps"] == 5
     fault = {"wall": 4.5, "kind": "kill", "replica": 0, "restarted_wall": 10.0}
     times = metrics.fault_times(fault, lines, single_job=True)
@@ -79,9 +81,25 @@ def test_a_restarting_single_job_meets_no_faults_until_it_trains_again(tmp_path)
     assert chaos.next_at >= first + 0.2  # restarting: the next fault moves with the downtime
 
 
+def test_each_ratio_is_taken_per_round_and_reported_with_its_spread():
+    # Round 2 was slow for everyone: the per-round ratios are 2.0, 1.5, 3.0; the ratio of
+    # the medians (0.6/0.3) would say 2.0 and hide the spread.
+    c = [{"goodput": g, "time_to_target_s": 10.0} for g in (0.6, 0.3, 0.9)]
+    d = [{"goodput": g, "time_to_target_s": 20.0} for g in (0.3, 0.2, 0.3)]
+    spread = ratio_spread({"C": c, "D": d})
+    assert spread["goodput C/D"] == {"median": 2.0, "min": 1.5, "max": 3.0, "rounds": [2.0, 1.5, 3.0]}
+    assert spread["time_to_target D/C"]["median"] == 2.0
+    assert spread["goodput C/E"] is None, "an arm that did not run gives no ratio"
+    bench = {"arms": {"E_best": {"label": "E'", "excluded_faults": {"kinds": ["stop", "hang"], "skipped": {"stop": 2}}}},
+             "ratios": {name: s and s["median"] for name, s in spread.items()}, "ratio_spread": spread}
+    report = bench_markdown(bench)
+    assert "- goodput C/D: 2.000 (min 1.500, max 3.000 over 3 rounds)" in report
+    assert "E': stop, hang left out" in report and "{'stop': 2}" in report
+
+
 @pytest.mark.chaos
 def test_a_tiny_bench_writes_every_arm_and_ratio(tmp_path):
-    """Every arm really trains (no faults in A and B, chaos in C, D, E) and is reported."""
+    """Every arm really trains (no faults in A and B, chaos in C, D, E, E') and is reported."""
     proc = subprocess.run(
         [sys.executable, "-m", "monarch_sky", "bench", "--steps", "40", "--replicas", "2", "--procs", "1",
          "--every-s", "3", "--kinds", "kill,host", "--ckpt-interval", "4", "--arm-timeout-s", "300",
@@ -91,14 +109,14 @@ def test_a_tiny_bench_writes_every_arm_and_ratio(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [bench_dir] = tmp_path.iterdir()
     bench = json.loads((bench_dir / "bench.json").read_text())
-    assert set(bench["arms"]) == {"A_step", "A_diloco", "B", "C", "D", "E"}
+    assert set(bench["arms"]) == {"A_step", "A_diloco", "B", "C", "D", "E", "E_best"}
     for key, arm in bench["arms"].items():
         # C may end degraded (exit 3): a group hit late can still be coming back at the end.
         assert arm["exit_code"] in ((0, 3) if key == "C" else (0,)), (key, arm)
         assert arm["committed_steps"] == 40, (key, arm)
-        for fld in ("goodput", "step_efficiency", "time_to_target_s", "loss_at_target", "faults"):
+        for fld in ("goodput", "work_rate", "step_efficiency", "time_to_target_s", "loss_at_target", "faults"):
             assert arm[fld] is not None, (key, fld)
-    assert sum(kind["count"] for arm in ("C", "D", "E") for kind in bench["arms"][arm]["faults"].values()) > 0
+    assert sum(kind["count"] for arm in ("C", "D", "E", "E_best") for kind in bench["arms"][arm]["faults"].values()) > 0
     assert set(bench["ratios"]) == set(RATIOS) and all(v is not None for v in bench["ratios"].values())
     for name in ("bench.md", "steps_vs_time.png", "quorum_C.png"):
         assert (bench_dir / name).stat().st_size > 0

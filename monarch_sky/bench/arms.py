@@ -7,13 +7,19 @@ D   TorchTitan with periodic checkpoints under `torchrun --max-restarts`: any fa
     restarts the whole job from the last checkpoint; a host fault requeues the job
 E   TorchFT without Monarch, as TorchTitan documents it: a lighthouse started by hand and
     one torchrun with restarts per replica group, healing from a peer group
-D and E take the same schedule from `OutsideChaos`. Every arm trains the same recipe,
+E'  (key E_best) E at its best: the same launches, with what monarch-sky's trainer registers
+    with TorchFT instead of TorchTitan's checkpointer (`titan_arm.heal_at_its_best`). It
+    differs from C only in orchestration: torchrun restarts a dead group in place; nothing
+    notices a stopped or hung one, so those kinds are left out of its schedule (and
+    reported as excluded), and a lost host's group comes back only with its relaunch.
+D, E and E' take the same schedule from `OutsideChaos`. Every arm trains the same recipe,
 seed and length, and writes `steps.jsonl` into its folder.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +27,7 @@ from pathlib import Path
 from monarch_sky.bench.launch import Launch, free_port
 from monarch_sky.bench.outside_chaos import OutsideChaos
 from monarch_sky.config import FTSettings
+from monarch_sky.heal_wire import HEAL_SECRET_ENV
 
 LABELS = {
     "A_step": "A: monarch-sky, no faults (step)",
@@ -29,7 +36,9 @@ LABELS = {
     "C": "C: monarch-sky, chaos",
     "D": "D: checkpoint + torchrun restart, chaos",
     "E": "E: TorchFT + torchrun, no Monarch, chaos",
+    "E_best": "E': TorchFT + torchrun at its best, no Monarch, chaos",
 }
+UNSEEN_BY_TORCHRUN = ("stop", "hang")  # a frozen or hung rank never exits: torchrun waits on it
 MONARCH_ARMS = ("A_step", "A_diloco", "C")
 
 
@@ -69,14 +78,18 @@ def plan(key: str, name: str, s, bench_dir: Path, repo: Path) -> ArmPlan:
         job = launch("torchrun", _torchrun(s.replicas * s.procs, key, arm_dir, s))
         chaos = OutsideChaos(arm_dir, s, lambda _replica: job, single_job=True) if key == "D" else None
         return ArmPlan(key, arm_dir, [job], chaos, [job])
-    if key == "E":
+    if key in ("E", "E_best"):
         port = free_port()
         lighthouse = launch("lighthouse", _lighthouse_cmd(port, s))
         extra = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
+        excluded: tuple[str, ...] = ()
+        if key == "E_best":
+            extra[HEAL_SECRET_ENV] = secrets.token_hex(32)
+            excluded = UNSEEN_BY_TORCHRUN
         groups = [
-            launch(f"replica{r}", _torchrun(s.procs, "E", arm_dir, s, replica=r), extra) for r in range(s.replicas)
+            launch(f"replica{r}", _torchrun(s.procs, key, arm_dir, s, replica=r), extra) for r in range(s.replicas)
         ]
-        chaos = OutsideChaos(arm_dir, s, lambda replica: groups[replica], single_job=False)
+        chaos = OutsideChaos(arm_dir, s, lambda replica: groups[replica], single_job=False, excluded=excluded)
         return ArmPlan(key, arm_dir, [lighthouse, *groups], chaos, groups)
     raise ValueError(f"arms: unknown arm '{key}'; allowed: {', '.join(LABELS)}")
 
@@ -90,7 +103,7 @@ def _monarch_cmd(key: str, name: str, s, bench_dir: Path) -> list[str]:
 
 
 def _torchrun(nproc: int, key: str, arm_dir: Path, s, replica: int | None = None) -> list[str]:
-    arm = {"B": "alone", "D": "ckpt", "E": "torchft"}[key]
+    arm = {"B": "alone", "D": "ckpt", "E": "torchft", "E_best": "torchft_best"}[key]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     if key != "B":
         cmd.append(f"--max-restarts={s.max_restarts}")

@@ -8,8 +8,14 @@ the time the target's processes came back). The definitions:
 - kept step: the last committed line of each (replica, step); a step redone after a restart
   from a checkpoint keeps only its last run, the earlier ones were lost work;
 - step efficiency: kept lines / all lines (attempted steps);
-- goodput: seconds of kept steps / (replica keys x wall seconds);
-- run step: the highest step committed so far; time to target: when it reached `steps`;
+- goodput: seconds of kept steps / (replica keys x wall seconds): the share of group-time in
+  steps that stood. A slower step counts as more of it, so it says nothing about step speed;
+- run step: the highest step committed so far; time to target: when it reached `steps`.
+  On one shared machine a run with groups down steps faster (the others get their cores),
+  so time to target favours an arm that keeps fewer groups training;
+- work rate: kept group-steps (batches trained that stood) per second up to the target: the
+  trained data the wall time bought (TorchFT's step averages over the groups in it, so a
+  step with fewer groups trains on less);
 - median step: median gap between the first commits of consecutive run steps;
 - per fault: resumed = the first commit of another group's step begun after the fault (a
   single job: begun after its processes came back), rejoined = the target's first commit
@@ -87,13 +93,15 @@ def arm_stats(lines: list[dict], started: float, ended: float, target: int) -> d
     keys = {line["replica"] for line in lines} or {0}
     firsts = first_commits(lines)
     reached = [wall for step, wall in firsts.items() if step >= target]
+    to_target = reached[0] - started if reached else None
     return {
         "wall_s": round(wall_s, 2),
         "committed_steps": max(firsts, default=0),
         "attempted_steps": len(lines),
         "step_efficiency": _ratio(len(kept), len(lines)),
         "goodput": _ratio(sum(line["seconds"] for line in kept), len(keys) * wall_s),
-        "time_to_target_s": round(reached[0] - started, 2) if reached else None,
+        "time_to_target_s": round(to_target, 2) if to_target else None,
+        "work_rate": _ratio(sum(line["wall"] <= reached[0] for line in kept), to_target) if to_target else None,
         "loss_at_target": _loss_at(kept, target),
         "median_step_s": _median_gap(firsts),
     }

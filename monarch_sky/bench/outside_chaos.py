@@ -30,7 +30,8 @@ KINDS = (*SIGNALS, "host")
 
 
 class OutsideChaos:
-    def __init__(self, arm_dir: Path, settings, launch_of: Callable[[int], Launch], single_job: bool):
+    def __init__(self, arm_dir: Path, settings, launch_of: Callable[[int], Launch], single_job: bool,
+                 excluded: tuple[str, ...] = ()):
         self.dir = arm_dir
         self.s = settings
         self.launch_of = launch_of  # replica -> the launch a host fault kills
@@ -38,6 +39,8 @@ class OutsideChaos:
         self.draws = chaos_draws(settings.every_s, settings.kinds, settings.seed, settings.replicas)
         self.rank_rng = random.Random(settings.seed + 1)
         self.faults: list[dict] = []
+        self.excluded = excluded  # kinds this arm's own stack cannot see: drawn, never injected
+        self.skipped: dict[str, int] = {}
         self.next_at: float | None = None  # wall time of the next draw
         self.pending: tuple[str, int] | None = None
         self.steps = JsonlTail(arm_dir / "steps.jsonl")
@@ -66,6 +69,9 @@ class OutsideChaos:
         recovering = {f["replica"] for f in self.faults if not self._recovered(f, lines)}
         ready = set() if self.single_job and recovering else set(range(self.s.replicas)) - recovering
         if replica not in ready or len(ready) < 2 or run_step >= 0.9 * self.s.steps:
+            return
+        if kind in self.excluded:
+            self.skipped[kind] = self.skipped.get(kind, 0) + 1
             return
         fault = {"wall": round(time.time(), 3), "kind": kind, "replica": replica, "rank": None,
                  "step": run_step, "restarted_wall": None}

@@ -4,8 +4,9 @@ Reads, never writes, the records; writes only the report files next to them.
 
 A **bench dir** holds `bench.json` (`bench_id`, `settings` with `steps` = the target,
 `arms` = {key: {label, dir, started_wall, wall_s, committed_steps, step_efficiency, goodput,
-time_to_target_s, loss_at_target, median_step_s, faults: {kind: {count, detected_s, resumed_s,
-rejoined_s: {median, max}}}}}, `ratios` = {name: float|null}) and one folder per arm with
+work_rate, time_to_target_s, loss_at_target, median_step_s, faults: {kind: {count, detected_s, resumed_s,
+rejoined_s: {median, max}}}}}, `ratios` = {name: float|null}, `ratio_spread` = {name:
+{median, min, max, rounds}|null}) and one folder per arm with
 `steps.jsonl` (`{wall, replica, step, committed, seconds, loss, participants}` per line) and
 `faults.jsonl` (`{wall, kind, replica}` per injected fault; may be missing). An arm's time
 zero is its `started_wall`. Writes `bench.md`, `steps_vs_time.png` and, when an arm "C"
@@ -47,6 +48,13 @@ def fmt_seconds(value: float | None) -> str:
 
 def fmt_ratio(value: float | None) -> str:
     return NULL if value is None else f"{value:.3f}"
+
+
+def fmt_spread(spread: dict | None) -> str:
+    """ (min-max over N rounds), when there was more than one round."""
+    if not spread or len(spread.get("rounds") or []) < 2:
+        return ""
+    return f" (min {spread['min']:.3f}, max {spread['max']:.3f} over {len(spread['rounds'])} rounds)"
 
 
 def fmt_plain(value: Any) -> str:
@@ -92,6 +100,7 @@ def arm_row(arm: dict[str, Any], target: Any) -> list[str]:
         f"{fmt_plain(arm.get('committed_steps'))}/{fmt_plain(target)}",
         fmt_ratio(arm.get("step_efficiency")),
         fmt_ratio(arm.get("goodput")),
+        fmt_ratio(arm.get("work_rate")),
         fmt_seconds(arm.get("time_to_target_s")),
         fmt_ratio(arm.get("loss_at_target")),
         fmt_seconds(arm.get("median_step_s")),
@@ -115,14 +124,21 @@ def bench_markdown(bench: dict[str, Any]) -> str:
     lines = [f"# Benchmark {bench.get('bench_id', '')}", "", f"Created {bench.get('created', NULL)}; "
              f"settings: `{json.dumps(bench.get('settings') or {}, sort_keys=True)}`", "", "## Arms", ""]
     lines += md_table(["arm", "wall s", "committed/target", "step efficiency", "goodput",
-                       "time to target s", "loss at target", "median step s"],
+                       "work rate /s", "time to target s", "loss at target", "median step s"],
                       [arm_row(arm, target) for arm in arms.values()])
     rows = [row for arm in arms.values() for row in fault_rows(arm)]
     lines += ["", "## Faults", ""]
     lines += md_table(["arm", "kind", "count", "detected median s", "detected max s", "resumed median s",
                        "resumed max s", "rejoined median s", "rejoined max s"], rows) if rows else ["No faults."]
     lines += ["", "## Ratios", ""]
-    lines += [f"- {name}: {fmt_ratio(value)}" for name, value in (bench.get("ratios") or {}).items()] or ["None."]
+    spreads = bench.get("ratio_spread") or {}
+    lines += [f"- {name}: {fmt_ratio(value)}{fmt_spread(spreads.get(name))}"
+              for name, value in (bench.get("ratios") or {}).items()] or ["None."]
+    excluded = [f"- {arm.get('label', key)}: {', '.join(arm['excluded_faults']['kinds'])} left out "
+                f"(its stack cannot see them; draws skipped: {arm['excluded_faults']['skipped'] or 0})"
+                for key, arm in arms.items() if arm.get("excluded_faults")]
+    if excluded:
+        lines += ["", "## Fault kinds left out", "", *excluded]
     return "\n".join(lines) + "\n"
 
 

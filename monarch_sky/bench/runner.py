@@ -1,8 +1,10 @@
 """`make bench` / `monarch-sky bench`: run the arms, interleaved, and write the verdict.
 
 Each round runs every arm once, in the order given, so the machine's drift hits all arms
-alike; with several rounds an arm's numbers are the medians over its rounds. The bench
-folder gets `bench.json` (keys `settings`, `arms`, `ratios`), `bench.md` and the plots
+alike; with several rounds an arm's numbers are the medians over its rounds, and each ratio
+is taken per round (the arms of one round paired) and reported as the median with its
+min-max (`ratio_spread`). The bench folder gets `bench.json` (keys `settings`, `arms`,
+`ratios`, `ratio_spread`), `bench.md` and the plots
 (`monarch_sky.bench.report`); the table is printed at the end.
 """
 
@@ -25,8 +27,12 @@ PROGRESS_EVERY_S = 30.0
 RATIOS = {  # name -> (arm, arm, field): the first arm's field over the second's
     "goodput C/D": ("C", "D", "goodput"),
     "goodput C/E": ("C", "E", "goodput"),
+    "goodput C/E'": ("C", "E_best", "goodput"),
+    "work_rate C/D": ("C", "D", "work_rate"),
+    "work_rate C/E'": ("C", "E_best", "work_rate"),
     "time_to_target D/C": ("D", "C", "time_to_target_s"),
     "time_to_target E/C": ("E", "C", "time_to_target_s"),
+    "time_to_target E'/C": ("E_best", "C", "time_to_target_s"),
     "step_time A_step/B": ("A_step", "B", "median_step_s"),
     "step_time A_diloco/B": ("A_diloco", "B", "median_step_s"),
 }
@@ -43,7 +49,7 @@ class BenchSettings:
     ckpt_interval: int = 10
     provision_delay_s: float = 3.0
     max_restarts: int = 20
-    arms: list[str] = field(default_factory=lambda: ["A_step", "B", "C", "D", "E", "A_diloco"])
+    arms: list[str] = field(default_factory=lambda: ["A_step", "B", "C", "D", "E", "E_best", "A_diloco"])
     rounds: int = 1
     arm_timeout_s: float = 540.0
 
@@ -77,7 +83,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     for arm in s.arms:
         if arm not in arms_mod.LABELS:
             raise SystemExit(f"--arms: unknown arm '{arm}'; allowed: {','.join(arms_mod.LABELS)}")
-    if s.replicas < 2 and any(a in s.arms for a in ("C", "D", "E")):
+    if s.replicas < 2 and any(a in s.arms for a in ("C", "D", "E", "E_best")):
         raise SystemExit("--replicas: the chaos arms need at least 2 replica groups to heal from")
     return s
 
@@ -99,7 +105,8 @@ def run_bench(s: BenchSettings, out: Path) -> Path:
         "settings": asdict(s),
         "arms": {key: _median_of(runs) for key, runs in results.items()},
     }
-    bench["ratios"] = ratios(bench["arms"])
+    bench["ratio_spread"] = ratio_spread(results)
+    bench["ratios"] = {name: spread and spread["median"] for name, spread in bench["ratio_spread"].items()}
     (bench_dir / "bench.json").write_text(json.dumps(bench, indent=2) + "\n")
     return bench_dir
 
@@ -138,6 +145,8 @@ def _arm_result(key: str, plan, s: BenchSettings, started: float, ended: float, 
         plan.chaos.write()
         single = key == "D"
         times = [(f["kind"], metrics.fault_times(f, lines, single)) for f in plan.chaos.faults]
+        if plan.chaos.excluded:  # kinds its stack cannot see: drawn for it, never injected
+            result["excluded_faults"] = {"kinds": list(plan.chaos.excluded), "skipped": plan.chaos.skipped}
     else:
         times = _monarch_fault_times(plan.dir, lines)
     result["faults"] = metrics.by_kind(times)
@@ -170,6 +179,18 @@ def ratios(arms: dict[str, dict]) -> dict[str, float | None]:
     return out
 
 
+def ratio_spread(results: dict[str, list[dict]]) -> dict[str, dict | None]:
+    """Each ratio per round, the arms of one round paired: median, min, max and the values."""
+    rounds = min((len(runs) for runs in results.values()), default=0)
+    per_round = [ratios({key: runs[i] for key, runs in results.items()}) for i in range(rounds)]
+    out: dict[str, dict | None] = {}
+    for name in RATIOS:
+        values = [r[name] for r in per_round if r[name] is not None]
+        out[name] = {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values),
+                     "rounds": values} if values else None
+    return out
+
+
 def _median_of(runs: list[dict]) -> dict:
     if len(runs) == 1:
         return runs[0]
@@ -191,4 +212,4 @@ def _progress(plan, s: BenchSettings, started: float) -> str:
 
 def _one_line(r: dict) -> str:
     return (f"exit {r['exit_code']}, {r['committed_steps']} steps in {r['wall_s']:.0f}s, "
-            f"goodput {r['goodput']}, time to target {r['time_to_target_s']}")
+            f"goodput {r['goodput']}, time to target {r['time_to_target_s']}, work rate {r['work_rate']}")

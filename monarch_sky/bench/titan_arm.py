@@ -18,6 +18,9 @@ torchft (E)  TorchTitan's FaultTolerantTrainer + TorchFT, one torchrun per repli
                    torchrun --standalone --nproc_per_node=P --max-restarts=K \
                    -m monarch_sky.bench.titan_arm --arm torchft --replica I --out DIR -- ...
              ft.mode=step only (DiLoCo commits only at syncs: no per-step decision to record).
+torchft_best (E')  E at its best, still without Monarch: no TorchTitan checkpointer; instead
+             what monarch-sky's trainer registers with TorchFT (`heal_at_its_best`). The same
+             torchrun and lighthouse commands, with one MONARCH_SKY_HEAL_SECRET for all groups.
 
 Each process writes DIR/pids/replica{R}-rank{K}.pid at start (for a fault injector); each
 group's rank 0 (alone/ckpt: global rank 0, replica -1) appends one JSON line per iteration to
@@ -34,7 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-ARMS = ("alone", "ckpt", "torchft")
+ARMS = ("alone", "ckpt", "torchft", "torchft_best")
+FT_ARMS = ("torchft", "torchft_best")
 
 
 def parse_args(argv: list[str] | None = None):
@@ -44,7 +48,7 @@ def parse_args(argv: list[str] | None = None):
     )
     p.add_argument("--arm", required=True, choices=ARMS)
     p.add_argument("--out", required=True, type=Path, help="folder for pids/, steps.jsonl, torchtitan/")
-    p.add_argument("--replica", type=int, help="torchft: this torchrun's replica group index")
+    p.add_argument("--replica", type=int, help="torchft, torchft_best: this torchrun's replica group index")
     p.add_argument("--ckpt-interval", type=int, default=20,
                    help="ckpt, torchft: steps between checkpoints (torchft: 0 = none, heal from peers only)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="monarch-sky job overrides (after --)")
@@ -62,20 +66,20 @@ def parse_args(argv: list[str] | None = None):
 
 
 def _problem(args, cfg) -> str | None:
-    env, ft = os.environ, args.arm == "torchft"
+    env, ft = os.environ, args.arm in FT_ARMS
     want = cfg.procs_per_replica if ft else cfg.replicas * cfg.procs_per_replica
     if "RANK" not in env:
         return "run me under torchrun (no RANK in the environment)"
     if int(env["WORLD_SIZE"]) != want:
         return f"--arm {args.arm} needs --nproc_per_node={want} for this job, torchrun started {env['WORLD_SIZE']}"
     if ft != (args.replica is not None):
-        return "--replica is required with --arm torchft, and only allowed there"
+        return f"--replica is required with --arm {'/'.join(FT_ARMS)}, and only allowed there"
     if ft and not 0 <= args.replica < cfg.replicas:
         return f"--replica {args.replica}: must be in [0, {cfg.replicas})"
     if ft and not env.get("TORCHFT_LIGHTHOUSE"):
-        return "--arm torchft needs TORCHFT_LIGHTHOUSE=http://HOST:PORT of a running torchft_lighthouse"
+        return f"--arm {args.arm} needs TORCHFT_LIGHTHOUSE=http://HOST:PORT of a running torchft_lighthouse"
     if ft and cfg.ft.mode != "step":
-        return f"--arm torchft supports ft.mode=step only, not {cfg.ft.mode}"
+        return f"--arm {args.arm} supports ft.mode=step only, not {cfg.ft.mode}"
     if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torch 2.13's torchrun keeps one rendezvous TCPStore across restarts and workers' keys
         # carry no attempt prefix: restarted gloo ranks (and TorchFT's manager clients) read the
@@ -102,9 +106,13 @@ def prepare_process(cfg):
     the CPU device module's answer "cpu"."""
     from monarch_sky import platform as platform_mod
     from monarch_sky.context import trainer_env
+    from monarch_sky.heal_wire import HEAL_SECRET_ENV
     from monarch_sky.trainer import import_torchtitan
 
+    shared_secret = os.environ.get(HEAL_SECRET_ENV)  # E': one for all groups, from the bench
     os.environ.update(trainer_env(cfg, platform_mod.detect()))
+    if shared_secret:
+        os.environ[HEAL_SECRET_ENV] = shared_secret
     platform_mod.advertise_host()
     plat = import_torchtitan()
     import torch
@@ -132,7 +140,42 @@ def arm_config(args, cfg, plat):
 
         config.checkpoint = _checkpoint(TorchFTCheckpointManager.Config, args.ckpt_interval)
         return config
+    if args.arm == "torchft_best":
+        return config  # the recipe's: TorchTitan's checkpointer off (see heal_at_its_best)
     return _plain_config(config, cfg, args.ckpt_interval if args.arm == "ckpt" else 0)
+
+
+def heal_at_its_best(trainer, cfg, plat) -> None:
+    """E': register with TorchFT what monarch-sky's trainer registers, without Monarch.
+
+    - the rank-local heal state (`monarch_sky.healing`): TorchTitan's registers
+      `model.state_dict()`, whose fused-QKV hook runs a collective on TorchFT's quorum thread
+      (torchft #343, torchtitan #4209);
+    - TorchTitan's step counter (its loop counts its own steps; its checkpointer, off here,
+      would carry it);
+    - monarch-sky's heal transport (`ft.heal_transport`), as C uses it;
+    - the wait for the step's quorum before `should_commit` (a torchft 0.2.0 bug, see
+      `GroupTrainer._record_commit_decisions`);
+    - C's CPU priority policy for trainers.
+    """
+    from monarch_sky import heal_transport
+    from monarch_sky import platform as platform_mod
+    from monarch_sky.healing import STATE_KEY, RankLocalState
+
+    manager = trainer.ft_manager.manager
+    heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.mode, cfg.ft.timeout_s)
+    state = RankLocalState(trainer)
+    manager.register_state_dict_fn(STATE_KEY, state.load, state.state_dict)
+    manager.register_state_dict_fn("titan_step", lambda s: setattr(trainer, "step", s["step"]),
+                                   lambda: {"step": trainer.step})
+    decide = manager.should_commit
+
+    def should_commit(*args, **kwargs) -> bool:
+        manager.wait_quorum()
+        return decide(*args, **kwargs)
+
+    manager.should_commit = should_commit
+    platform_mod.yield_cpu_to_recovery(plat.kind)
 
 
 def _recast(cls, config):
@@ -244,7 +287,7 @@ def check_layout(trainer, replica: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args, cfg = parse_args(argv)
-    rank, ft = int(os.environ["RANK"]), args.arm == "torchft"
+    rank, ft = int(os.environ["RANK"]), args.arm in FT_ARMS
     replica = args.replica if ft else rank // cfg.procs_per_replica  # replicate is the outer mesh dim
     write_pid(args.out, replica, rank if ft else rank % cfg.procs_per_replica)
     plat = prepare_process(cfg)
@@ -258,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)  # the replicas' CPU shim: gloo has no PREMUL_SUM
+        if args.arm == "torchft_best":
+            heal_at_its_best(trainer, cfg, plat)
         if not ft:
             check_layout(trainer, replica)
         StepLog(trainer, args.out / "steps.jsonl", replica if ft else -1, rank == 0, cfg.replicas)
