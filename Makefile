@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test e2e chaos bench bench-heal bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
+.PHONY: train test e2e chaos bench bench-heal bench-scale bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
 
 # torch first and pinned, so nothing after it can pull another build. With no GPU here, the CPU
 # wheel from PyTorch's CPU index (the default index has the multi-GB CUDA one); where that index
@@ -60,6 +60,11 @@ bench: $(STAMP)
 # 0.25, 1 and 4 GB per rank: runs/bench-heal/bench-heal.json and heal.png. ARGS="--gb 0.25,1"
 bench-heal: $(STAMP)
 	$(PY) -m monarch_sky.bench.heal $(ARGS)
+
+# TorchFT's quorum, regroup and admission cost for 2-1024 simulated replica groups against a
+# real lighthouse (monarch_sky/bench/scale.py; runs/bench-scale/scale.json and scale.png).
+bench-scale: $(STAMP)
+	$(PY) -m monarch_sky.bench.scale $(ARGS)
 
 # Warm standby against cold respawn (a kill), hot spare against a new host (a host loss):
 # seconds from the fault to the group's rejoin. BENCH_RUNS=3, BENCH_ARMS=host/spare,host/replace

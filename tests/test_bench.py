@@ -121,3 +121,19 @@ def test_a_tiny_bench_writes_every_arm_and_ratio(tmp_path):
     for name in ("bench.md", "steps_vs_time.png", "quorum_C.png"):
         assert (bench_dir / name).stat().st_size > 0
     assert "goodput C/D" in proc.stdout  # the table is printed
+
+
+def test_the_scale_sweeps_smallest_point_regroups_without_a_lost_group_and_admits_a_new_one(tmp_path):
+    """Against a real lighthouse: every wait ends in the quorum it waits for (a lost group
+    out, a new one in), and the regroup waits out the heartbeat timeout it must."""
+    from monarch_sky.bench import scale
+    from monarch_sky.config import FTSettings
+
+    ft = FTSettings()
+    row = scale.measure(2, ft, timeout_s=30)
+    assert "failed" not in row, row
+    assert row["regroup_s"] >= ft.heartbeat_timeout_ms / 1000 * 0.9, "regrouped before the lost group's heartbeats expired"
+    assert all(row[k] > 0 for k in ("quorum_s", "admit_s")), row
+    assert scale.main(["--groups", "2,3", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    assert [r["groups"] for r in rows] == [2, 3] and (tmp_path / "scale.png").stat().st_size > 0
