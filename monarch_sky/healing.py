@@ -40,8 +40,34 @@ def _nbytes(state: Any) -> int:
     return 0
 
 
+def register_with_torchft(manager, trainer, on_load: Callable[[int], None] = lambda nbytes: None,
+                          on_decision: Callable[[bool], None] = lambda decision: None) -> "RankLocalState":
+    """Register this rank's heal state with TorchFT's manager, and make `should_commit` wait
+    for the step's quorum first; `on_decision` gets what it decided (agreed across the group).
+
+    The wait: torchft 0.2.0's `should_commit` checks whether this rank is healing before it
+    waits for the async quorum; when an error was reported earlier in the step, the
+    all-reduce that normally waits is skipped, so a healing rank can decide before its quorum
+    has staged the peer's state. That state is then dropped, while the quorum already set the
+    step counter to the peers': the rank never heals and trains on from fresh weights (seen:
+    diverged digests).
+    """
+    state = RankLocalState(trainer, on_load)
+    manager.register_state_dict_fn(STATE_KEY, state.load, state.state_dict)
+    decide = manager.should_commit
+
+    def should_commit(*args, **kwargs) -> bool:
+        manager.wait_quorum()
+        decision = decide(*args, **kwargs)
+        on_decision(decision)
+        return decision
+
+    manager.should_commit = should_commit
+    return state
+
+
 class RankLocalState:
-    """Register with `manager.register_state_dict_fn(STATE_KEY, s.load, s.state_dict)`."""
+    """A rank's own shards as TorchFT heal state (see `register_with_torchft`)."""
 
     def __init__(self, trainer, on_load: Callable[[int], None] = lambda nbytes: None):
         self._trainer = trainer

@@ -63,18 +63,17 @@ async def wait_for_survivors_commit(ctx: RunContext, slot) -> None:
     ctx.record.event("survivors_not_committed", replica=slot.index, waited_s=round(time.monotonic() - began, 3))
 
 
-def trained_unreported(ctx: RunContext, slot) -> int:
+def trained_unreported(ctx: RunContext, slot, member: str) -> int:
     """Steps that the slot's failed generation trained but never reported: 1 if the others
     committed the step after its last answer in a quorum that counted it, else 0.
 
     A group that dies after its step's commit and before its answer comes back has its
     gradient in everyone's weights, so that step's batches were trained. The others' commit
     is the truth: a group that died before its gradient was all-reduced breaks their
-    all-reduce, and they commit that step again without it. Asked once per generation
-    (the member id is spent), after `wait_for_survivors_commit`, so the others' commit is
-    in. DiLoCo keeps a group's data position at its syncs: not handled here.
+    all-reduce, and they commit that step again without it. `member` is the failed
+    generation's quorum id; asked after `wait_for_survivors_commit`, so the others' commit
+    is in. DiLoCo keeps a group's data position at its syncs: not handled here.
     """
-    member, slot.member = slot.member, ""
     if ctx.cfg.ft.mode == "diloco" or not member or member not in ctx.ledger.quorums.get(slot.step + 1, ()):
         return 0
     ctx.record.event("trained_unreported", replica=slot.index, step=slot.step + 1)

@@ -289,7 +289,9 @@ class Slot:
         if lost:  # raises HostError (a restart of this slot) if no host comes
             await self.gens.replace_hosts(lost)
         await rejoin.wait_for_survivors_commit(self.ctx, self)
-        self.skip_steps += rejoin.trained_unreported(self.ctx, self)
+        # Spent once asked: a second failure before the next generation's first answer adds nothing.
+        member, self.member = self.member, ""
+        self.skip_steps += rejoin.trained_unreported(self.ctx, self, member)
         if not await self.activate(rejoining=True):
             return
         if self.ctx.finishing:

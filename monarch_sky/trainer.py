@@ -71,18 +71,18 @@ class GroupTrainer:
         from torchtitan.experiments.torchft.manager import maybe_semi_sync_training
         from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
 
-        from monarch_sky.healing import STATE_KEY, RankLocalState
+        from monarch_sky.healing import register_with_torchft
 
         self.trainer = trainer = FaultTolerantTrainer(config)
         self.manager = trainer.ft_manager.manager
         ft = self.spec.ft
         self.transport = heal_transport.install(self.manager, ft["heal_transport"], ft["mode"], ft["timeout_s"])
-        self._record_commit_decisions()
         self._quorum = QuorumMembers(self.manager)
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
-        self.state = RankLocalState(trainer, on_load=self._mark_healed)
-        self.manager.register_state_dict_fn(STATE_KEY, self.state.load, self.state.state_dict)
+        # TorchFT's commit decision is kept as it said it: inferring it from the step counter
+        # is wrong after a heal, which sets the counter to the quorum's step before deciding.
+        self.state = register_with_torchft(self.manager, trainer, self._mark_healed, self._keep_decision)
         self._diloco = config.fault_tolerance.semi_sync_method is not None
         self._sync_steps = config.fault_tolerance.sync_steps
         self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
@@ -131,26 +131,8 @@ class GroupTrainer:
         self._healed = self._healed_now = True
         self._heal_bytes += nbytes
 
-    def _record_commit_decisions(self) -> None:
-        """Keep what `should_commit` returned: TorchFT's commit decision, agreed across the
-        group's ranks. Inferring it from the step counter is wrong after a heal, which sets
-        the counter to the quorum's step before the decision is made.
-
-        It also waits for the step's quorum first. torchft 0.2.0's `should_commit` checks
-        whether this rank is healing before it waits for the async quorum; when an error
-        was reported earlier in the step, the all-reduce that normally waits is skipped, so
-        a healing rank can decide before its quorum has staged the peer's state. That state
-        is then dropped, while the quorum already set the step counter to the peers': the
-        rank never heals and trains on from fresh weights (seen: diverged digests).
-        """
-        decide, manager = self.manager.should_commit, self.manager
-
-        def should_commit(*args, **kwargs) -> bool:
-            manager.wait_quorum()
-            self._decision = decide(*args, **kwargs)
-            return self._decision
-
-        self.manager.should_commit = should_commit
+    def _keep_decision(self, decision: bool) -> None:
+        self._decision = decision
 
     def progress(self) -> int:
         """Committed training steps: what survives a failure of this group's peers."""

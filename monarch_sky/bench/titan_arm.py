@@ -155,26 +155,18 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
       would carry it);
     - monarch-sky's heal transport (`ft.heal_transport`), as C uses it;
     - the wait for the step's quorum before `should_commit` (a torchft 0.2.0 bug, see
-      `GroupTrainer._record_commit_decisions`);
+      `healing.register_with_torchft`);
     - C's CPU priority policy for trainers.
     """
     from monarch_sky import heal_transport
     from monarch_sky import platform as platform_mod
-    from monarch_sky.healing import STATE_KEY, RankLocalState
+    from monarch_sky.healing import register_with_torchft
 
     manager = trainer.ft_manager.manager
     heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.mode, cfg.ft.timeout_s)
-    state = RankLocalState(trainer)
-    manager.register_state_dict_fn(STATE_KEY, state.load, state.state_dict)
+    register_with_torchft(manager, trainer)
     manager.register_state_dict_fn("titan_step", lambda s: setattr(trainer, "step", s["step"]),
                                    lambda: {"step": trainer.step})
-    decide = manager.should_commit
-
-    def should_commit(*args, **kwargs) -> bool:
-        manager.wait_quorum()
-        return decide(*args, **kwargs)
-
-    manager.should_commit = should_commit
     platform_mod.yield_cpu_to_recovery(plat.kind)
 
 
