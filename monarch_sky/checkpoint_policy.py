@@ -178,7 +178,7 @@ class CheckpointPolicy:
             for slot in ctx.slots:  # a group that fails before its first step goes on from here
                 slot.step = step
                 slot.data_states = tuple(saved.get(str(slot.index), ()))
-            past = [f for f in ctx.injector.pending if f.step <= step]  # the lost attempt's to inject
+            past = [f for f in ctx.injector.pending if not f.during and f.step <= step]  # the lost attempt's to inject
             for fault in past:
                 ctx.injector.pending.remove(fault)
             ctx.record.event("resumed_from_checkpoint", step=step, path=str(self.resume.path),

@@ -2,8 +2,13 @@
 
 `faults=kill@20:1,segfault@40:0` injects a SIGKILL into one trainer process of replica 1
 once the run has committed 20 steps, and a segfault into replica 0 at step 40;
-`host@30:2` takes down the whole host of replica 2 (the host provider does that one). The
-syntax is stable: other tooling writes it.
+`host@30:2` takes down the whole host of replica 2 (the host provider does that one).
+
+A compound fault aims at a recovery in progress instead of a step: `kill@20:1,host@rejoin:1`
+kills replica 1 at step 20, then takes down the host of its new generation while that one
+heals from a peer (its first step back, before it has committed with the others). Each
+`@rejoin` fault fires at one rejoin of its replica, in order, so `kill@rejoin:1` twice more
+fails three generations in a row. The syntax is stable: other tooling writes it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ KINDS = {
     "host": "loss of the replica's whole host (its worker loop and every process on it)",
 }
 PROCESS_KINDS = ("kill", "segfault", "comms", "hang", "stop")  # injected by the FaultActor inside the group
+# Recovery phases a fault can aim at in place of a step.
+PHASES = {"rejoin": "the replica's new generation, in its first step back (the heal), before it commits with the others"}
 
 
 class FaultSpecError(ValueError):
@@ -29,33 +36,41 @@ class FaultSpecError(ValueError):
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    step: int
+    step: int  # the run step it is due at; for a phase fault, the step it fired at (0 before)
     replica: int
+    during: str = ""  # a recovery phase (PHASES) to aim at instead of a step
 
     def __str__(self) -> str:
-        return f"{self.kind}@{self.step}:{self.replica}"
+        return f"{self.kind}@{self.during or self.step}:{self.replica}"
 
 
 def parse_faults(spec: str | None) -> list[Fault]:
-    """Parse `KIND@STEP:REPLICA[,KIND@STEP:REPLICA...]`; empty or "none" means no faults."""
+    """Parse `KIND@STEP:REPLICA[,...]` (STEP may be a phase, e.g. `rejoin`); empty or "none"
+    means no faults."""
     if spec is None or str(spec).strip().lower() in ("", "none"):
         return []
     faults = [_parse_one(part.strip()) for part in str(spec).split(",")]
-    return sorted(faults, key=lambda f: f.step)
+    return sorted(faults, key=lambda f: (bool(f.during), f.step))  # phase faults after, in their order
 
 
 def _parse_one(text: str) -> Fault:
-    usage = f"'{text}' is not KIND@STEP:REPLICA (for example kill@20:1)"
+    usage = f"'{text}' is not KIND@STEP:REPLICA (for example kill@20:1, or kill@rejoin:1)"
     kind, at, rest = text.partition("@")
     step, colon, replica = rest.partition(":")
     if not (at and colon and kind and step and replica):
         raise FaultSpecError(usage)
     if kind not in KINDS:
         raise FaultSpecError(f"unknown fault kind '{kind}' in '{text}'; allowed: {', '.join(KINDS)}")
+    during = step if step in PHASES else ""
     try:
-        step_n, replica_n = int(step), int(replica)
+        step_n, replica_n = 0 if during else int(step), int(replica)
     except ValueError:
-        raise FaultSpecError(f"{usage}: STEP and REPLICA must be integers") from None
+        raise FaultSpecError(f"{usage}: STEP and REPLICA must be integers (STEP may also be a "
+                             f"phase: {', '.join(PHASES)})") from None
+    if during:
+        if replica_n < 0:
+            raise FaultSpecError(f"fault replica must be >= 0 in '{text}'")
+        return Fault(kind, 0, replica_n, during)
     if step_n < 1:
         raise FaultSpecError(f"fault step must be >= 1 in '{text}'")
     if replica_n < 0:
@@ -70,7 +85,7 @@ def check_faults(faults: list[Fault], replicas: int, steps: int) -> None:
                 f"fault '{fault}' targets replica {fault.replica}, but replicas are "
                 f"0..{replicas - 1} (replicas={replicas})"
             )
-        if fault.step >= steps:
+        if not fault.during and fault.step >= steps:
             raise FaultSpecError(
                 f"fault '{fault}' is at step {fault.step}, but the run stops at step {steps} "
                 f"(steps={steps}); pick a step below {steps}"

@@ -62,7 +62,7 @@ class Generations:
         try:
             orders = [await self._order(h) for h in ordered]
             # shield: a request that outlasts this wait stays ordered for the next try
-            came = await asyncio.wait_for(asyncio.shield(asyncio.gather(*orders)), timeout_s) if orders else []
+            came = await asyncio.wait_for(asyncio.shield(_gathered(orders)), timeout_s) if orders else []
             new = {**dict(zip(ordered, came)), **{h: s.host for h, s in spares.items()}}
             hosts = [new.get(h, h) for h in self.hosts]
             warm = next(iter(spares.values())) if len(hosts) == 1 and spares else None
@@ -297,3 +297,11 @@ async def attach_hosts(ctx: RunContext, hosts: list[Host]):
     mesh = attach_to_workers(name=name, ca="trust_all_connections", workers=[h.address for h in hosts])
     await asyncio.wait_for(resolved(mesh.initialized), ctx.cfg.timeouts.spawn_s)
     return mesh
+
+
+def _gathered(orders: list) -> asyncio.Future:
+    """The orders as one future, whose outcome counts as seen: orders still out when the
+    run ends are cancelled, and asyncio would log that nobody read it."""
+    together = asyncio.gather(*orders)
+    together.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return together

@@ -58,6 +58,7 @@ class FaultRecord:
             "kind": self.fault.kind,
             "replica": self.fault.replica,
             "step": self.fault.step,
+            "during": self.fault.during or None,  # a compound fault: the recovery phase it hit
             "rank": self.rank,
             "detected_s": self.seconds(self.detected_at),
             "survivors_resumed_s": self.seconds(self.resumed_at),
@@ -83,10 +84,17 @@ class FaultInjector:
         self.display = display
         self.tracker = tracker
 
-    def fire_due(self, replica: int, run_step: int, group, kill_host: Callable[[Any], None], step_seconds: float) -> None:
-        """Inject every fault due for `replica` by `run_step` into its training `group`."""
-        for fault in [f for f in self.pending if f.replica == replica and run_step >= f.step]:
+    def fire_due(self, replica: int, run_step: int, group, kill_host: Callable[[Any], None], step_seconds: float,
+                 rejoining: bool = False) -> None:
+        """Inject every fault due for `replica` by `run_step` into its `group`, and, when the
+        group is a new generation's first step back, the replica's next `@rejoin` fault."""
+        due = [f for f in self.pending if f.replica == replica and not f.during and run_step >= f.step]
+        if rejoining:
+            due += [f for f in self.pending if f.replica == replica and f.during == "rejoin"][:1]
+        for fault in due:
             self.pending.remove(fault)
+            if fault.during:
+                fault = Fault(fault.kind, run_step, fault.replica, fault.during)
             # Land inside the step, as real failures do.
             self.inject(fault, group, kill_host, delay_s=0.5 * step_seconds, run_step=run_step)
 
@@ -102,8 +110,10 @@ class FaultInjector:
             asyncio.get_running_loop().call_later(delay_s, kill_host, host)
             target = f"replica {fault.replica}'s host {host.name}"
         self.records.append(FaultRecord(fault, rank, time.monotonic() + delay_s, group.generation))
-        self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step)
-        self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}")
+        self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step,
+                          during=fault.during or None)
+        during = f" (during its {fault.during})" if fault.during else ""
+        self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}{during}")
 
     async def chaos(self, settings, replicas: int, steps: int, training: Callable[[], list], run_step: Callable[[], int],
                     time_left_s: Callable[[], float]) -> None:

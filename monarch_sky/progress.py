@@ -127,6 +127,10 @@ def _spares(s: dict[str, Any]) -> str:
     return f"{s['used']} used of {s['size']}, {s['ready']} ready at the end ({'warm' if s['warm'] else 'attached'})"
 
 
+def _kind(fault: dict[str, Any]) -> str:
+    return f"{fault['kind']}@{fault['during']}" if fault.get("during") else fault["kind"]
+
+
 def _on_spare(fault: dict[str, Any]) -> str:
     host = fault.get("host_replaced")
     if not host:
@@ -153,14 +157,16 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("faults"):
         out.append("  faults (seconds after injection):")
         out.append(
-            f"    {'kind':<9}{'replica':>8}{'step':>6}{'detected':>10}{'resumed':>9}"
+            f"    {'kind':<14}{'replica':>8}{'step':>6}{'detected':>10}{'resumed':>9}"
             f"{'rejoined':>10}  recovered from"
         )
         for f in s["faults"]:
             out.append(
-                f"    {f['kind']:<9}{f['replica']:>8}{f['step']:>6}{_num(f['detected_s']):>10}"
+                f"    {_kind(f):<14}{f['replica']:>8}{f['step']:>6}{_num(f['detected_s']):>10}"
                 f"{_num(f['survivors_resumed_s']):>9}{_num(f['rejoined_s']):>10}  {f['recovered_from']}{_on_spare(f)}"
             )
+    if s.get("faults_not_fired"):
+        out.append(f"  faults not fired (the run ended first): {', '.join(s['faults_not_fired'])}")
     for failure in s.get("unplanned_failures") or []:
         out.append(f"  UNPLANNED failure of replica {failure['replica']}: {failure['reason']}")
     for lost in s.get("lost_replicas") or []:

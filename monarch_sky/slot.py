@@ -51,6 +51,7 @@ class Slot:
         self.data_states: tuple = ()  # per rank: where the group's kept training left its data
         self.skip_steps = 0  # steps of batches trained after `data_states` (rejoin.trained_unreported)
         self.member = ""  # this generation's id in TorchFT's quorum, once it reported one
+        self.step_calls = 0  # step calls made to this generation
         self.in_flight_since: float | None = None  # when the step call now running was issued
         self.last_failure: str | None = None  # why the last recovery attempt failed
         self.last_commit_issued = 0.0  # when the last step this slot committed across groups was issued
@@ -90,7 +91,7 @@ class Slot:
                 await self.gens.discard(group)
                 self.lose(refused)
                 return False
-            self.group, self.member = group, ""
+            self.group, self.member, self.step_calls = group, "", 0
             self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
@@ -150,10 +151,17 @@ class Slot:
         issued = time.monotonic()
         call = asyncio.ensure_future(group.step(ctx.cfg.timeouts.step_s))
         await asyncio.sleep(0)  # let the step go out before a fault aims at it
-        ctx.injector.fire_due(self.index, ctx.ledger.run_step, group, self.kill_host, ctx.ledger.step_seconds)
+        self._fire_faults(group)
         result = await self._timed(call, issued)
         self.on_result(result, issued)
         await ctx.checkpoints.after_step(self, result)  # the last resort, when due (checkpoint_policy)
+
+    def _fire_faults(self, group: ReplicaGroup) -> None:
+        # `faults=` aims at a step, or at a new generation's first step back (`@rejoin`).
+        first_back = self.state is SlotState.REJOINING and self.step_calls == 0
+        self.step_calls += 1
+        self.ctx.injector.fire_due(self.index, self.ctx.ledger.run_step, group, self.kill_host,
+                                   self.ctx.ledger.step_seconds, rejoining=first_back)
 
     async def _timed(self, call, issued: float):
         """Await a step call, letting the hang check see how long it has been out."""
@@ -170,7 +178,10 @@ class Slot:
         issued = time.monotonic()
         self.ctx.record.event("rejoin_joined_sync", replica=self.index, waited_s=round(issued - began, 3),
                               waited_steps=self.ctx.ledger.run_step - began_step)
-        self.on_result(await self._timed(self.group.join(self.ctx.cfg.timeouts.step_s), issued), issued)
+        call = asyncio.ensure_future(self.group.join(self.ctx.cfg.timeouts.step_s))
+        await asyncio.sleep(0)
+        self._fire_faults(self.group)
+        self.on_result(await self._timed(call, issued), issued)
 
     def on_result(self, r: StepResult, issued: float) -> None:
         ctx, now = self.ctx, time.monotonic()

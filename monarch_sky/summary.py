@@ -40,6 +40,7 @@ def build_summary(
         "final_state_errors": final_errors,
         "uncommitted_steps": {str(s.index): s.uncommitted for s in slots},
         "faults": [r.to_summary() for r in ctx.injector.records],
+        "faults_not_fired": [str(f) for f in ctx.injector.pending],  # e.g. a @rejoin fault with no rejoin after it
         "unplanned_failures": ctx.unplanned,
         "lost_replicas": ctx.lost,
         "progress_lost": ctx.progress_lost,

@@ -202,6 +202,13 @@ def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
             f"faults: host faults can only be injected with hosts.provider=local, not {config.hosts.provider}"
         )
     chaos = config.chaos
+    for fault in faults:
+        makes_it_fail = chaos.every_s > 0 or any(f.replica == fault.replica and not f.during for f in faults)
+        if fault.during and not makes_it_fail:
+            raise ConfigError(
+                f"faults: '{fault}' waits for replica {fault.replica} to recover from a failure, but nothing "
+                f"makes it fail; add a fault before it (e.g. kill@20:{fault.replica}) or turn chaos on (chaos.every_s)"
+            )
     unknown = [k for k in chaos.kinds if k not in KINDS]
     if unknown:
         raise ConfigError(f"chaos.kinds: unknown kind {unknown[0]}; allowed: {', '.join(KINDS)}")

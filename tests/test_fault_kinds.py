@@ -1,4 +1,5 @@
-"""The fault kinds beyond a dead process: a comms abort, a hung trainer, a frozen one.
+"""The fault kinds beyond a dead process: a comms abort, a hung trainer, a frozen one, and
+faults that land on a recovery in progress.
 
 A comms abort leaves the process alive: TorchFT reconfigures its process group and the
 group goes on without a respawn. A hang (GIL held in a native sleep, sockets open, TorchFT's
@@ -45,4 +46,24 @@ def test_every_group_failing_at_once_is_reported_as_lost_progress_not_a_recovery
     assert "scratch" in {f["recovered_from"] for f in s["faults"]}
     assert "peer" not in {f["recovered_from"] for f in s["faults"]}, "a fresh peer is no recovery"
     assert s["outcome"]["status"] == "degraded" and "training state lost" in s["outcome"]["reasons"][0]
+    assert run.leftovers == [], run.leftovers
+
+
+def test_faults_that_hit_each_new_generation_while_it_heals_still_end_in_a_peer_rejoin(run_dir):
+    # A kill, then a kill and a host loss aimed at the next two generations' first step back
+    # (their heal): neither of those generations may count as rejoined; the third must
+    # rejoin from a peer, with nothing lost and the digests equal.
+    # A host's replacement takes ~20 s: enough steps left for the last generation to rejoin.
+    run = train(run_dir, "replicas=2", "steps=150", "faults=kill@10:1,kill@rejoin:1,host@rejoin:1")
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert s["unplanned_failures"] == [] and s["lost_replicas"] == [] and s["faults_not_fired"] == []
+    assert [(f["kind"], f["during"]) for f in s["faults"]] == [("kill", None), ("kill", "rejoin"), ("host", "rejoin")]
+    assert all(f["recovered_from"] == "peer" for f in s["faults"]), s["faults"]
+    assert s["restarts"]["1"] == 3
+    started = {e["generation"]: e for e in run.events if e["event"] == "replica_started" and e["replica"] == 1}
+    hit = [e for e in run.events if e["event"] == "fault_injected" and e.get("during") == "rejoin"]
+    rejoined = [e["generation"] for e in run.events if e["event"] == "replica_rejoined" and e["replica"] == 1]
+    assert len(hit) == 2 and rejoined == [max(started)], f"only the last generation rejoins: {rejoined}"
+    assert len(set(s["final_param_digest"].values())) == 1
     assert run.leftovers == [], run.leftovers
