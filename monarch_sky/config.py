@@ -88,6 +88,7 @@ class ChaosSettings:
     every_s: float = 0.0  # mean seconds between random faults (exponential gaps); 0: off
     kinds: list[str] = field(default_factory=lambda: ["kill", "segfault", "comms", "hang", "stop", "host"])
     seed: int = 0  # the chaos schedule's own seed
+    during_recovery: float = 0.0  # share of draws that, finding a group recovering, hit its heal instead
 
 
 @dataclass

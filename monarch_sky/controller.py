@@ -83,7 +83,7 @@ class Controller:
             ctx.in_background(self._detect())
             if ctx.cfg.chaos.every_s > 0:
                 ctx.in_background(ctx.injector.chaos(ctx.cfg.chaos, ctx.cfg.replicas, ctx.cfg.steps, self._training,
-                                                     lambda: ctx.ledger.run_step, self._time_left_s))
+                                                     lambda: ctx.ledger.run_step, self._time_left_s, self._recovering))
             await self._drive_all()
             ctx.ledger.flush(final=True)
             final, errors = await self._final_states()
@@ -106,6 +106,11 @@ class Controller:
 
     def _training(self) -> list[Slot]:
         return [s for s in self.slots if s.state is SlotState.TRAINING and s.group is not None]
+
+    def _recovering(self) -> list[Slot]:
+        """Slots whose next generation has not begun its first step back (its heal)."""
+        return [s for s in self.slots if s.state is SlotState.RECOVERING
+                or (s.state is SlotState.REJOINING and s.step_calls == 0)]
 
     def _counts(self) -> StatusCounts:
         injector = self.ctx.injector

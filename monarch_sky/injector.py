@@ -93,10 +93,11 @@ class FaultInjector:
             due += [f for f in self.pending if f.replica == replica and f.during == "rejoin"][:1]
         for fault in due:
             self.pending.remove(fault)
+            # Land inside the step, as real failures do; inside a heal step, early, in its heal.
+            share = 0.5
             if fault.during:
-                fault = Fault(fault.kind, run_step, fault.replica, fault.during)
-            # Land inside the step, as real failures do.
-            self.inject(fault, group, kill_host, delay_s=0.5 * step_seconds, run_step=run_step)
+                fault, share = Fault(fault.kind, run_step, fault.replica, fault.during), 0.25
+            self.inject(fault, group, kill_host, delay_s=share * step_seconds, run_step=run_step)
 
     def inject(self, fault: Fault, group, kill_host: Callable[[Any], None], delay_s: float, run_step: int) -> None:
         if fault.kind in PROCESS_KINDS:
@@ -116,17 +117,22 @@ class FaultInjector:
         self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}{during}")
 
     async def chaos(self, settings, replicas: int, steps: int, training: Callable[[], list], run_step: Callable[[], int],
-                    time_left_s: Callable[[], float]) -> None:
+                    time_left_s: Callable[[], float], recovering: Callable[[], list] = list) -> None:
         """Random faults at exponential gaps (mean `chaos.every_s`), reproducible from
         `chaos.seed` (`chaos_draws`: the same schedule `make bench` gives every arm). A
         fault goes only where another group keeps training to heal from, and only while the
         run has time left to heal it (`too_late`). (A real cluster makes no such promise:
-        every group failing at once loses the state.)"""
+        every group failing at once loses the state.) A share `chaos.during_recovery` of
+        the draws that find a group `recovering()` aim at its heal instead (`@rejoin`)."""
+        aim = random.Random(f"{settings.seed}/during_recovery")  # own draws: the schedule stays chaos_draws'
         for gap_s, kind, replica in chaos_draws(settings.every_s, settings.kinds, settings.seed, replicas):
             await asyncio.sleep(gap_s)
             # A group whose fault is not healed yet may not know it has failed: not eligible.
             ready = {slot.index: slot for slot in training() if not self.open_faults(slot.index)}
             late = too_late(run_step(), steps, time_left_s(), self.heal_allowance_s(kind))
+            at_recovery = aim.random() < settings.during_recovery
+            if at_recovery and ready and not late and self.aim_at_recovery(kind, replica, recovering(), run_step()):
+                continue
             if replica not in ready or len(ready) < 2 or late:
                 self.record.event("chaos_skipped", kind=kind, replica=replica, step=run_step(), training=len(ready),
                                   too_late=late)
@@ -134,6 +140,18 @@ class FaultInjector:
             slot = ready[replica]
             fault = Fault(kind, max(run_step(), 1), replica)
             self.inject(fault, slot.group, slot.kill_host, delay_s=0.0, run_step=run_step())
+
+    def aim_at_recovery(self, kind: str, replica: int, recovering: list, run_step: int) -> bool:
+        """Arm a `@rejoin` fault for a group in recovery (`replica` if it is one), to fire in
+        its next generation's heal step. False when no group is recovering without one."""
+        armed = {f.replica for f in self.pending if f.during}
+        targets = sorted(slot.index for slot in recovering if slot.index not in armed)
+        if not targets:
+            return False
+        target = replica if replica in targets else targets[replica % len(targets)]
+        self.pending.append(Fault(kind, 0, target, "rejoin"))
+        self.record.event("chaos_aimed_at_recovery", kind=kind, replica=target, step=run_step)
+        return True
 
     def heal_allowance_s(self, kind: str) -> float:
         """How long a fault of `kind` may take to heal: 1.5 times the slowest heal of that kind
@@ -166,9 +184,12 @@ class FaultInjector:
                 rec.resumed_at = now
                 self.record.event("survivors_resumed", replica=rec.fault.replica, seconds=rec.seconds(now))
 
-    def rejoined(self, replica: int, source: str, now: float, heal: HealInfo | None = None) -> list[FaultRecord]:
-        """`heal`: the step in which the group received the state."""
-        faults = self.open_faults(replica)
+    def rejoined(self, replica: int, generation: int, source: str, now: float,
+                 heal: HealInfo | None = None) -> list[FaultRecord]:
+        """Generation `generation` of `replica` rejoined: it recovered from the faults of the
+        generations before it. One aimed at itself (`@rejoin`) that lands after its rejoining
+        commit stays open. `heal`: the step in which the group received the state."""
+        faults = [rec for rec in self.open_faults(replica) if rec.generation != generation]
         for rec in faults:
             rec.rejoined_at, rec.recovered_from = now, source
             rec.heal = heal

@@ -220,7 +220,7 @@ class Slot:
         self.state = SlotState.TRAINING
         source = "peer" if r.healed and behind == rejoin.Behind.NO else "scratch"
         heal, self.heal = self.heal or HealInfo(0, 0.0, 0.0), None
-        faults = self.ctx.injector.rejoined(self.index, source, now, heal)
+        faults = self.ctx.injector.rejoined(self.index, self.group.generation, source, now, heal)
         self.ctx.record.event(
             "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source,
             heal_bytes=heal.nbytes, heal_step_s=heal.step_s, heal_s=heal.transfer_s, heal_gb_per_s=heal.gb_per_s,

@@ -61,6 +61,7 @@ AT_LEAST_ZERO = (
     "hosts.spares",
     "chaos.every_s",
     "chaos.seed",
+    "chaos.during_recovery",
     "checkpoint.every_min",
     "checkpoint.keep",
 )
@@ -212,6 +213,9 @@ def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
     unknown = [k for k in chaos.kinds if k not in KINDS]
     if unknown:
         raise ConfigError(f"chaos.kinds: unknown kind {unknown[0]}; allowed: {', '.join(KINDS)}")
+    if chaos.during_recovery > 1:
+        raise ConfigError(f"chaos.during_recovery: {chaos.during_recovery:g} is a share of the chaos draws: "
+                          "pick 0 (off) to 1 (every draw that finds a group recovering)")
     if chaos.every_s > 0 and not chaos.kinds:
         raise ConfigError("chaos.kinds: empty; name at least one kind, or set chaos.every_s=0")
     if chaos.every_s > 0 and config.replicas < 2:

@@ -47,6 +47,7 @@ BAD = [
     (["chaos.every_s=-1"], ["chaos.every_s", ">= 0"]),
     (["replicas=1", "chaos.every_s=5"], ["chaos.every_s", "nobody to heal from"]),
     (["chaos.every_s=5", "chaos.kinds=[]"], ["chaos.kinds", "empty"]),
+    (["chaos.during_recovery=2"], ["chaos.during_recovery", "0 (off) to 1"]),
     (["timeouts.hang_s=0"], ["timeouts.hang_s", "> 0"]),
     (["ft.heartbeat_timeout_ms=150"], ["ft.heartbeat_timeout_ms", "at least 200"]),
     (["faults=hang@5:1,stop@6:0,comms@7:2,teleport@8:1"], ["faults", "teleport", "hang", "stop", "comms"]),

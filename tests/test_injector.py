@@ -1,4 +1,4 @@
-"""The chaos injector's rule of when a random fault still has time to heal."""
+"""The fault injector: when a random fault still has time to heal, and where one aimed at a recovery goes."""
 
 from __future__ import annotations
 
@@ -38,3 +38,25 @@ def test_the_allowance_follows_the_slowest_heal_of_the_kind_seen_so_far():
     inj.records.append(FaultRecord(Fault("host", 20, 1), None, injected_at=200.0, generation=1))  # not healed yet
     assert inj.heal_allowance_s("host") == 1.5 * 20.0
     assert inj.heal_allowance_s("kill") == FIRST_HEAL_S["process"]
+
+
+def test_a_draw_aimed_at_recovery_arms_one_rejoin_fault_per_recovering_group():
+    class Slot:
+        def __init__(self, index):
+            self.index = index
+
+    inj = injector()
+    assert not inj.aim_at_recovery("kill", 1, [], run_step=5), "nobody recovering: the draw goes the usual way"
+    assert inj.aim_at_recovery("host", 2, [Slot(0), Slot(2)], run_step=5)
+    assert inj.aim_at_recovery("kill", 2, [Slot(0), Slot(2)], run_step=6), "2 is armed: the other recovering group"
+    assert inj.pending == [Fault("host", 0, 2, "rejoin"), Fault("kill", 0, 0, "rejoin")]
+    assert not inj.aim_at_recovery("kill", 0, [Slot(0), Slot(2)], run_step=7), "both armed already"
+
+
+def test_a_rejoin_heals_the_faults_of_earlier_generations_not_one_aimed_at_itself():
+    inj = injector()
+    earlier = FaultRecord(Fault("kill", 10, 1), 0, injected_at=100.0, generation=0)
+    at_heal = FaultRecord(Fault("kill", 12, 1, "rejoin"), 0, injected_at=106.0, generation=1)  # lands after the commit
+    inj.records += [earlier, at_heal]
+    assert inj.rejoined(1, generation=1, source="peer", now=105.9) == [earlier]
+    assert inj.open_faults(1) == [at_heal], "its death is still a planned failure, not an unplanned one"
