@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test e2e chaos bench bench-heal bench-scale bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
+.PHONY: train test e2e chaos soak bench bench-heal bench-scale bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
 
 # torch first and pinned, so nothing after it can pull another build. With no GPU here, the CPU
 # wheel from PyTorch's CPU index (the default index has the multi-GB CUDA one); where that index
@@ -42,7 +42,7 @@ train: $(STAMP)
 	$(PY) -m monarch_sky train $(ARGS)
 
 test: $(STAMP) $(SKY_STAMP)
-	$(PY) -m pytest -m "not chaos and not e2e" --durations=25 tests
+	$(PY) -m pytest -m "not chaos and not e2e and not soak" --durations=25 tests
 
 # The longer end-to-end runs (about 25 minutes): host replacement edge cases, spares dying idle,
 # groups spanning hosts, DiLoCo's long sync, heals past the transport's timeout, the bootstrap on simulated nodes.
@@ -51,6 +51,11 @@ e2e: $(STAMP) $(SKY_STAMP)
 
 chaos: $(STAMP)
 	$(PY) -m pytest -m chaos -s tests
+
+# One long run (about 20 minutes) under 40+ faults of every kind, some during recoveries, two
+# groups losing hosts at once, the controller killed midway and resumed from its checkpoint.
+soak: $(STAMP)
+	$(PY) -m pytest -m soak -s tests
 
 # Goodput benchmark (monarch-sky vs TorchTitan alone, checkpoint-restart, TorchFT alone): ARGS="--steps 60 --every-s 15"
 bench: $(STAMP)

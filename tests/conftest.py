@@ -29,8 +29,7 @@ class Run:
 
     @property
     def events(self) -> list[dict]:
-        lines = (self.path / "events.jsonl").read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
+        return read_events(self.path / "events.jsonl")
 
 
 TAG_ENV = "MONARCH_SKY_TEST_TAG"
@@ -72,6 +71,30 @@ def train(
     if (run.path / "summary.json").exists():  # what outlived the run's orderly stop, before its reap
         run.leftovers += [f"left running at the stop: {p}" for p in run.summary.get("left_running", [])]
     return run
+
+
+def start(tmp_path: Path, tag: str, *overrides: str) -> subprocess.Popen:
+    """`monarch-sky train` in the background, its output in one pipe."""
+    return subprocess.Popen(
+        train_command(tmp_path, tag, *overrides),
+        cwd=REPO, env=cli_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_event(path: Path, name: str, timeout_s: float, count: int = 1) -> None:
+    """Until the run record's events.jsonl at `path` holds `count` events called `name`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if sum(e["event"] == name for e in read_events(path)) >= count:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"fewer than {count} {name} events within {timeout_s}s")
 
 
 def leftovers(tag: str, grace_s: float = 10.0) -> list[str]:

@@ -12,28 +12,10 @@ import time
 
 import pytest
 
-from conftest import REPO, cli_env, leftovers, new_tag, train, train_command
+from conftest import REPO, cli_env, leftovers, new_tag, start, train, train_command, wait_for_event
 
 from monarch_sky import checkpoints
 from monarch_sky.test_hooks import LEAK_ENV
-
-
-def wait_for_event(path, name: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if path.exists():
-            events = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-            if any(e["event"] == name for e in events):
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"no {name} event within {timeout_s}s")
-
-
-def start(tmp_path, tag: str, *overrides: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        train_command(tmp_path, tag, *overrides),
-        cwd=REPO, env=cli_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
