@@ -26,7 +26,8 @@ KINDS = {
 }
 PROCESS_KINDS = ("kill", "segfault", "comms", "hang", "stop")  # injected by the FaultActor inside the group
 # Recovery phases a fault can aim at in place of a step.
-PHASES = {"rejoin": "the replica's new generation, in its first step back (the heal), before it commits with the others"}
+REJOIN = "rejoin"
+PHASES = {REJOIN: "the replica's new generation, in its first step back (the heal), before it commits with the others"}
 
 
 class FaultSpecError(ValueError):
@@ -67,15 +68,11 @@ def _parse_one(text: str) -> Fault:
     except ValueError:
         raise FaultSpecError(f"{usage}: STEP and REPLICA must be integers (STEP may also be a "
                              f"phase: {', '.join(PHASES)})") from None
-    if during:
-        if replica_n < 0:
-            raise FaultSpecError(f"fault replica must be >= 0 in '{text}'")
-        return Fault(kind, 0, replica_n, during)
-    if step_n < 1:
+    if not during and step_n < 1:
         raise FaultSpecError(f"fault step must be >= 1 in '{text}'")
     if replica_n < 0:
         raise FaultSpecError(f"fault replica must be >= 0 in '{text}'")
-    return Fault(kind, step_n, replica_n)
+    return Fault(kind, step_n, replica_n, during)
 
 
 def check_faults(faults: list[Fault], replicas: int, steps: int) -> None:

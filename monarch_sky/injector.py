@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from monarch_sky.faults import PROCESS_KINDS, Fault
+from monarch_sky.faults import PROCESS_KINDS, REJOIN, Fault
 from monarch_sky.step_result import HealInfo, StepResult
 
 
@@ -90,7 +90,7 @@ class FaultInjector:
         group is a new generation's first step back, the replica's next `@rejoin` fault."""
         due = [f for f in self.pending if f.replica == replica and not f.during and run_step >= f.step]
         if rejoining:
-            due += [f for f in self.pending if f.replica == replica and f.during == "rejoin"][:1]
+            due += [f for f in self.pending if f.replica == replica and f.during == REJOIN][:1]
         for fault in due:
             self.pending.remove(fault)
             # Land inside the step, as real failures do; inside a heal step, early, in its heal.
@@ -149,7 +149,7 @@ class FaultInjector:
         if not targets:
             return False
         target = replica if replica in targets else targets[replica % len(targets)]
-        self.pending.append(Fault(kind, 0, target, "rejoin"))
+        self.pending.append(Fault(kind, 0, target, REJOIN))
         self.record.event("chaos_aimed_at_recovery", kind=kind, replica=target, step=run_step)
         return True
 

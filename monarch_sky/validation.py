@@ -203,9 +203,9 @@ def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
             f"faults: host faults can only be injected with hosts.provider=local, not {config.hosts.provider}"
         )
     chaos = config.chaos
+    stepped = {f.replica for f in faults if not f.during}  # replicas a step fault makes fail
     for fault in faults:
-        makes_it_fail = chaos.every_s > 0 or any(f.replica == fault.replica and not f.during for f in faults)
-        if fault.during and not makes_it_fail:
+        if fault.during and fault.replica not in stepped and chaos.every_s <= 0:
             raise ConfigError(
                 f"faults: '{fault}' waits for replica {fault.replica} to recover from a failure, but nothing "
                 f"makes it fail; add a fault before it (e.g. kill@20:{fault.replica}) or turn chaos on (chaos.every_s)"

@@ -82,9 +82,11 @@ def start(tmp_path: Path, tag: str, *overrides: str) -> subprocess.Popen:
 
 
 def read_events(path: Path) -> list[dict]:
+    """The events a run record holds; of a file still being written, only its whole lines."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = path.read_text().split("\n")[:-1]  # after the last newline: nothing, or a line half written
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 def wait_for_event(path: Path, name: str, timeout_s: float, count: int = 1) -> None:

@@ -10,13 +10,12 @@ import re
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import REPO, Run, cli_env, leftovers, new_tag
+from conftest import REPO, Run, cli_env, leftovers, new_tag, wait_for_event
 from monarch_sky import tls
 from monarch_sky.sky_hosts import TLS_SECRETS
 
@@ -398,15 +397,6 @@ def test_a_node_whose_worker_dies_moves_to_the_spare_node_and_comes_back_as_the_
     assert "starting it again on port 26700" in outputs[1]
     assert s["spares"] == {"size": 1, "used": 1, "ready": 1, "warm": True}
     assert run.leftovers == [], run.leftovers
-
-
-def wait_for_event(events: Path, name: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if events.exists() and f'"event": "{name}"' in events.read_text():
-            return
-        time.sleep(1)
-    raise AssertionError(f"no {name} event within {timeout_s:.0f}s")
 
 
 def test_bootstrap_refuses_to_run_outside_skypilot():
