@@ -11,9 +11,11 @@ recovery path:
   at their next quorum, which is the cost (`tools/checkpoint_cost.py` measures it).
 - Beside each checkpoint the controller writes what the checkpoint lacks: every group's
   data position at that step (`monarch_sky.checkpoints`).
-- Read only when a controller restarts a run (same `run_id`) that has one: every group
-  loads the newest at setup and training goes on from its step. A group that rejoins a
-  running job heals from a peer, always.
+- Read when a controller restarts a run (same `run_id`) that has one: every group loads the
+  newest at setup and training goes on from its step. And read by a live controller when
+  every group holding the training state failed at once: a new generation that has no one
+  to heal from loads the newest instead (`monarch_sky.rejoin.checkpoint_to_reload`). A
+  group that rejoins while another holds the state heals from a peer, always.
 """
 
 from __future__ import annotations
@@ -85,6 +87,11 @@ def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
     return found
 
 
+def data_states(found: Found, index: int) -> tuple:
+    """Group `index`'s data position (per rank) at the checkpoint's step."""
+    return tuple(found.note.get("data_states", {}).get(str(index), ()))
+
+
 def attempt_from_checkpoint(cfg) -> dict[str, Any] | None:
     """A run with no record here but a checkpoint in its folder (on a bucket): its controller
     moved to a new machine (a new pod), whose disk never held the run's record."""
@@ -146,26 +153,34 @@ class CheckpointPolicy:
         self.ctx.record.event("checkpoints_off", reason=reason)
         self.ctx.display.line(f"monarch-sky: WARNING: checkpoints off: {reason} (docs/checkpoints.md)")
 
-    def spec_for(self, index: int) -> CheckpointSpec | None:
-        """What replica group `index`'s trainers build; None: no checkpointer at all."""
+    def spec_for(self, index: int, resume: Found | None = None) -> CheckpointSpec | None:
+        """What replica group `index`'s trainers build; None: no checkpointer at all.
+        `resume`: the checkpoint they load at setup (default: the one the run resumed from)."""
         if not self.enabled and self.resume is None:
             return None
+        resume = resume or self.resume
         resume_step, data = None, ()
-        if self.resume is not None:
-            resume_step = self.resume.step
-            data = tuple(self.resume.note.get("data_states", {}).get(str(index), ()))
+        if resume is not None:
+            resume_step = resume.step
+            data = data_states(resume, index)
         return CheckpointSpec(str(self.folder), self.settings.async_mode, self.settings.keep, resume_step, data,
                               probe=self.probe)
 
-    def after_progress_lost(self) -> str:
-        """What the checkpoints offer once every group holding the state failed (the
-        controller lives: only a restarted one reads a checkpoint)."""
-        if not self.saved:
-            return "there is no checkpoint"
-        return (
-            f"the newest checkpoint (step {self.saved[-1]['step']}) is read only by a restarted controller: "
-            f"stop this run and start it again with run_id={self.ctx.cfg.run_id} to go on from there"
-        )
+    async def newest(self) -> Found | None:
+        """The run's newest complete checkpoint, for a live controller whose groups all lost
+        the training state; None if checkpoints are off or none is complete yet."""
+        if not self.enabled and self.resume is None:
+            return None
+        found = await off_loop(checkpoints.newest, self.folder)
+        if found is None or found.note.get("run_id", self.ctx.cfg.run_id) != self.ctx.cfg.run_id:
+            return None  # resume_from refused another run's at start; one copied in since is not ours either
+        return found
+
+    def none_to_reload(self) -> str:
+        """Why a run that lost its training state starts over instead of loading a checkpoint."""
+        if self.enabled or self.resume is not None:
+            return "no checkpoint was complete yet"
+        return f"checkpoints are off ({self.off_because})" if self.off_because else "checkpoints are off (checkpoint.every_min=0)"
 
     def start_training(self) -> None:
         """The groups are up (a resumed run's loaded the checkpoint): start the clock."""
@@ -174,10 +189,9 @@ class CheckpointPolicy:
         if self.resume is not None:
             step = self.resume.step
             ctx.ledger.run_step = ctx.ledger.logged_step = step
-            saved = self.resume.note.get("data_states", {})
             for slot in ctx.slots:  # a group that fails before its first step goes on from here
                 slot.step = step
-                slot.data_states = tuple(saved.get(str(slot.index), ()))
+                slot.data_states = data_states(self.resume, slot.index)
             past = [f for f in ctx.injector.pending if not f.during and f.step <= step]  # the lost attempt's to inject
             for fault in past:
                 ctx.injector.pending.remove(fault)

@@ -55,8 +55,9 @@ class RunContext:
     def dump_folder(self, index: int) -> str:
         return str(self.record.path / "torchtitan" / f"replica_{index}")
 
-    def spec(self, index: int) -> TrainerSpec:
-        checkpoint = self.checkpoints.spec_for(index) if self.checkpoints is not None else None
+    def spec(self, index: int, resume: Any = None) -> TrainerSpec:
+        """Group `index`'s trainer spec; `resume`: a checkpoint (`checkpoints.Found`) to load at setup."""
+        checkpoint = self.checkpoints.spec_for(index, resume) if self.checkpoints is not None else None
         return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), checkpoint=checkpoint)  # platform: the host's own
 
     def refuse_platform(self, platform: str) -> str | None:

@@ -242,11 +242,12 @@ class Generations:
         if self.ctx.cfg.ft.standby and not self.ctx.finishing and self.standby is None:
             self.standby = asyncio.ensure_future(self.spawn())
 
-    async def build(self, rejoining: bool, data: DataHandover) -> tuple[ReplicaGroup, bool, dict]:
+    async def build(self, rejoining: bool, data: DataHandover, resume=None) -> tuple[ReplicaGroup, bool, dict]:
         """A generation set up to train (from the warm standby if it is alive) and whether it
         was warm, and its setup's answer; raises if it fails, HostError as soon as one of the
-        group's hosts dies meanwhile (not after `timeouts.spawn_s`)."""
-        build = asyncio.ensure_future(self._build(rejoining, data))
+        group's hosts dies meanwhile (not after `timeouts.spawn_s`). `resume`: a checkpoint
+        (`checkpoints.Found`) it loads at setup."""
+        build = asyncio.ensure_future(self._build(rejoining, data, resume))
         host = await unless_a_host_dies(build, self.ctx.provider, self.hosts, self.ctx.cfg.hosts.dead_after_s, PROBE_EVERY_S)
         if host is None:
             return build.result()
@@ -254,11 +255,12 @@ class Generations:
         self.ctx.keep(build)
         raise HostError(f"host {host.name} ({host.address}) died while generation {self.spawned - 1} was being built")
 
-    async def _build(self, rejoining: bool, data: DataHandover) -> tuple[ReplicaGroup, bool, dict]:
+    async def _build(self, rejoining: bool, data: DataHandover, resume) -> tuple[ReplicaGroup, bool, dict]:
         group = None
         try:
             group, warm = await self.take()
-            return group, warm, await group.setup(self.ctx.spec(self.index), rejoining, data, self.ctx.cfg.timeouts.spawn_s)
+            spec = self.ctx.spec(self.index, resume)
+            return group, warm, await group.setup(spec, rejoining, data, self.ctx.cfg.timeouts.spawn_s)
         except BaseException:
             if group is not None and await self.lost_hosts():
                 self.abandon(group)  # stopping it there would hang

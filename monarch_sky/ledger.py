@@ -80,6 +80,13 @@ class StepLedger:
         while len(self.quorums) > QUORUM_HISTORY:
             del self.quorums[next(iter(self.quorums))]
 
+    def rewind(self, step: int) -> None:
+        """Training went back to a checkpoint at `step`: the steps after it are trained again.
+        They are logged once, as the run passes the last step it had logged (W&B's step only grows)."""
+        self.run_step = step
+        for later in [s for s in self.steps if s > step]:
+            del self.steps[later]
+
     def flush(self, final: bool = False) -> None:
         """Log each step once the run has moved past it (or at the end)."""
         last = self.run_step if final else self.run_step - 1

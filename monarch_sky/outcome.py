@@ -10,7 +10,8 @@ with the same parameter digest. Anything less says what went wrong:
 | 1    | failed     | the controller failed (the reason is in the summary) |
 | 2    | -          | config error (nothing was started) |
 | 3    | degraded   | target reached, but a group was lost, its final state could not be read, or
-|      |            | every group holding the training state failed at once (training restarted) |
+|      |            | every group holding the training state failed at once with no checkpoint to |
+|      |            | load (training restarted from scratch) |
 | 4    | diverged   | target reached, but the groups' final digests differ |
 | 128+N| stopped    | stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP) |
 """
@@ -34,9 +35,9 @@ def judge(summary: dict[str, Any]) -> dict[str, Any]:
     if len(set(digests.values())) > 1:
         return _outcome(EXIT_DIVERGED, "diverged", [f"final digests differ: {_short(digests)}"])
     reasons = [f"replica {lost['replica']} was lost: {lost['reason']}" for lost in summary["lost_replicas"]]
-    reasons += [
+    reasons += [  # one that went back to a checkpoint lost what a controller restart would: not degraded
         f"training state lost at step {p['at_step']} (every group holding it failed); restarted at step {p['restarted_at_step']}"
-        for p in summary.get("progress_lost", [])
+        for p in summary.get("progress_lost", []) if not p.get("from_checkpoint")
     ]
     reasons += [
         f"replica {replica}: final state unreadable: {reason}"

@@ -7,8 +7,11 @@
   earlier would wait in the lighthouse past TorchFT's quorum timeout, or take a quorum
   without a survivor that comes later.
 - Did it recover anything? A commit far behind the run is no rejoin: while a group that
-  holds the state trains, the newcomer heals from it later; if none does, training has
-  started over, which is reported as lost progress, never as a recovery.
+  holds the state trains, the newcomer heals from it later; if none does, the state is lost.
+- Lost state: with a complete checkpoint, a new generation with no one to heal from loads
+  it. One that already trained from scratch heals from a group that is coming back to load
+  it, or, with none coming, is rebuilt to load it itself. Without a checkpoint, training
+  starts over. Either is reported as lost progress, never as a recovery.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import asyncio
 import enum
 import time
 
+from monarch_sky.checkpoint_policy import data_states
 from monarch_sky.context import RunContext
 from monarch_sky.step_result import StepResult
 
@@ -86,31 +90,75 @@ class Behind(enum.Enum):
     STATE_LOST = "state lost"  # behind, and nobody holds the state any more
 
 
+def holders(ctx: RunContext, slot) -> list:
+    """The other groups holding the run's training state: training at the run's step, or
+    a new generation loaded from the checkpoint the run went back to (before its first commit)."""
+    from monarch_sky.slot import SlotState
+
+    slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
+    return [
+        s for s in ctx.slots
+        if s is not slot and (s.from_checkpoint is not None and s.state is SlotState.REJOINING
+                              or s.state in (SlotState.TRAINING, SlotState.DONE) and s.step >= ctx.ledger.run_step - slack)
+    ]
+
+
 def behind(ctx: RunContext, slot, r: StepResult) -> Behind:
     """Whether a rejoining group's cross-group commit is at the run's step.
 
     A commit far behind means its quorum had no group holding the state: two fresh groups
     can commit a step together while the holder's heartbeat is late (seen on a loaded
     2-core machine). If a holder still trains, the next quorum heals the newcomer from it;
-    if none does, training has started over: reported as lost progress, never a recovery.
+    if none does, the state is lost (`checkpoint_to_reload`, `note_progress_lost`).
     """
+    slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
+    if r.step >= ctx.ledger.run_step - slack or slot.from_checkpoint is not None:
+        return Behind.NO
+    return Behind.CATCHING_UP if holders(ctx, slot) else Behind.STATE_LOST
+
+
+def another_coming_back(ctx: RunContext, slot) -> bool:
+    """Another group is recovering: with no holder left it loads the checkpoint, and then
+    `slot`'s generation heals from it (no need to rebuild this one to load it too)."""
     from monarch_sky.slot import SlotState
 
-    slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
-    if r.step >= ctx.ledger.run_step - slack:
-        return Behind.NO
-    holders = [
-        s for s in ctx.slots
-        if s is not slot and s.state in (SlotState.TRAINING, SlotState.DONE) and s.step >= ctx.ledger.run_step - slack
-    ]
-    if holders:
-        return Behind.CATCHING_UP
-    lost = {"replica": slot.index, "at_step": ctx.ledger.run_step, "restarted_at_step": r.step}
-    if not any(p["at_step"] == lost["at_step"] for p in ctx.progress_lost):
-        ctx.progress_lost.append(lost)
-        ctx.record.event("progress_lost", **lost)
-        ctx.display.line(
-            f"[run] every group holding the state failed: training restarts at step {r.step} "
-            f"(was {ctx.ledger.run_step}); {ctx.checkpoints.after_progress_lost()}"
-        )
-    return Behind.STATE_LOST
+    return any(s is not slot and s.state is SlotState.RECOVERING for s in ctx.slots)
+
+
+async def checkpoint_to_reload(ctx: RunContext, slot):
+    """The checkpoint a new generation of `slot` loads instead of healing, or None.
+
+    Only when no other group holds the training state (every holder failed at once) and the
+    run has a complete checkpoint: healing from a fresh peer would start training over.
+    """
+    if holders(ctx, slot) or ctx.ledger.run_step == 0:
+        return None
+    return await ctx.checkpoints.newest()
+
+
+def note_progress_lost(ctx: RunContext, slot, restarted_at: int, found=None) -> None:
+    """Every group holding the state failed: training goes on from `restarted_at`, the step of
+    the checkpoint `found` (its steps after it are trained again) or, with none, from scratch.
+    Recorded once per loss: by the first group to go back (a group that loaded the same
+    checkpoint a moment later finds that one holding the state)."""
+    at = ctx.ledger.run_step
+    if at <= restarted_at or holders(ctx, slot) or any(p["at_step"] == at for p in ctx.progress_lost):
+        return
+    lost = {"replica": slot.index, "at_step": at, "restarted_at_step": restarted_at,
+            "from_checkpoint": str(found.path) if found else None}
+    ctx.progress_lost.append(lost)
+    ctx.record.event("progress_lost", **lost)
+    if found is not None:
+        ctx.ledger.rewind(found.step)
+        went = f"loaded the checkpoint at step {found.step}: {at - found.step} steps are trained again"
+    else:
+        went = f"training restarts at step {restarted_at}, {ctx.checkpoints.none_to_reload()}"
+    ctx.display.line(f"[run] every group holding the training state failed at step {at}; {went}")
+
+
+def resume_from(ctx: RunContext, slot, found) -> None:
+    """Slot's new generation loaded `found`: its step and data position are the checkpoint's."""
+    note_progress_lost(ctx, slot, found.step, found)
+    slot.from_checkpoint = found.step
+    slot.step, slot.skip_steps = found.step, 0
+    slot.data_states = data_states(found, slot.index)

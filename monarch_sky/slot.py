@@ -56,6 +56,8 @@ class Slot:
         self.last_failure: str | None = None  # why the last recovery attempt failed
         self.last_commit_issued = 0.0  # when the last step this slot committed across groups was issued
         self.heal: HealInfo | None = None  # this generation's healing step
+        self.from_checkpoint: int | None = None  # the checkpoint step this generation loaded, until it rejoins
+        self.state_lost = False  # this generation trained from scratch where a checkpoint could be loaded
 
     @property
     def hosts(self) -> list[Host]:
@@ -71,14 +73,14 @@ class Slot:
 
     # ---- bring-up ----------------------------------------------------------------
 
-    async def activate(self, rejoining: bool) -> bool:
-        """Bring up a new generation that trains; retries up to ft.max_restarts, on new
-        hosts in place of any that died meanwhile."""
+    async def activate(self, rejoining: bool, resume=None) -> bool:
+        """Bring up a new generation that trains (loading the checkpoint `resume`, if given);
+        retries up to ft.max_restarts, on new hosts in place of any that died meanwhile."""
         while True:
             began = time.monotonic()
             try:
                 data = DataHandover(self.data_states, self.skip_steps) if rejoining else DataHandover()
-                group, warm, info = await self.gens.build(rejoining, data)
+                group, warm, info = await self.gens.build(rejoining, data, resume)
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
@@ -91,7 +93,7 @@ class Slot:
                 await self.gens.discard(group)
                 self.lose(refused)
                 return False
-            self.group, self.member, self.step_calls = group, "", 0
+            self.group, self.member, self.step_calls, self.heal = group, "", 0, None
             self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
@@ -134,10 +136,14 @@ class Slot:
                 await self.retire(self.unfinished())
                 return
             try:
-                if self.state is SlotState.REJOINING and self.ctx.cfg.ft.mode == "diloco":
+                if self.state is SlotState.REJOINING and self.ctx.cfg.ft.mode == "diloco" and self.from_checkpoint is None:
                     await self._join_next_sync()
                 else:
                     await self._one_step()
+                if self.state_lost:
+                    self.ctx.display.line(f"[replica {self.index}] trained from scratch, the state being lost: "
+                                          "replacing it by a generation that loads the checkpoint")
+                    await self.recover("the training state was lost: loading the checkpoint", fault=False)
             except GroupFailed as e:
                 await self.recover(describe_error(e))
             except Exception as e:  # a bug or an unexpected answer: this generation is done for
@@ -153,7 +159,7 @@ class Slot:
         await asyncio.sleep(0)  # let the step go out before a fault aims at it
         self._fire_faults(group)
         result = await self._timed(call, issued)
-        self.on_result(result, issued)
+        await self.on_result(result, issued)
         await ctx.checkpoints.after_step(self, result)  # the last resort, when due (checkpoint_policy)
 
     def _fire_faults(self, group: ReplicaGroup) -> None:
@@ -181,9 +187,9 @@ class Slot:
         call = asyncio.ensure_future(self.group.join(self.ctx.cfg.timeouts.step_s))
         await asyncio.sleep(0)
         self._fire_faults(self.group)
-        self.on_result(await self._timed(call, issued), issued)
+        await self.on_result(await self._timed(call, issued), issued)
 
-    def on_result(self, r: StepResult, issued: float) -> None:
+    async def on_result(self, r: StepResult, issued: float) -> None:
         ctx, now = self.ctx, time.monotonic()
         self.step = r.step
         self.uncommitted += not r.committed
@@ -206,19 +212,26 @@ class Slot:
         if r.synced:
             self.last_commit_issued = issued
             if self.state is SlotState.REJOINING:
-                self._rejoined(r, now)
+                await self._rejoined(r, now)
             ctx.injector.survivor_committed(r, issued, ctx.cfg.replicas, now)
         if r.step >= ctx.cfg.steps:
             self.state = SlotState.DONE
             ctx.finishing = True
 
-    def _rejoined(self, r: StepResult, now: float) -> None:
+    async def _rejoined(self, r: StepResult, now: float) -> None:
         behind = rejoin.behind(self.ctx, self, r)
         if behind == rejoin.Behind.CATCHING_UP:  # a commit without the state holders: not a rejoin
             self.ctx.record.event("rejoin_behind", replica=self.index, step=r.step, run_step=self.ctx.ledger.run_step)
             return
+        if behind == rejoin.Behind.STATE_LOST:
+            if await rejoin.checkpoint_to_reload(self.ctx, self) is not None:
+                # drive() ends this generation and the next loads it, unless another group comes back to
+                self.state_lost = not rejoin.another_coming_back(self.ctx, self)
+                return
+            rejoin.note_progress_lost(self.ctx, self, r.step)
         self.state = SlotState.TRAINING
-        source = "peer" if r.healed and behind == rejoin.Behind.NO else "scratch"
+        source = "peer" if r.healed and behind == rejoin.Behind.NO else "checkpoint" if self.from_checkpoint else "scratch"
+        self.from_checkpoint = None
         heal, self.heal = self.heal or HealInfo(0, 0.0, 0.0), None
         faults = self.ctx.injector.rejoined(self.index, self.group.generation, source, now, heal)
         self.ctx.record.event(
@@ -264,12 +277,19 @@ class Slot:
         tag = "".join(f", {r.seconds(at):.2f}s after the {r.fault.kind}" for r in faults) or " (UNPLANNED)"
         self.ctx.display.line(f"[replica {self.index}] failed{tag}: {reason}")
 
-    async def recover(self, reason: str) -> None:
+    async def recover(self, reason: str, fault: bool = True) -> None:
+        """Replace the slot's generation: it failed (`fault`), or it trained from scratch
+        after the state was lost, where a checkpoint could be loaded (no restart spent)."""
         group = self.group
-        self.on_failure(group, reason, time.monotonic())  # the step call may have been first
+        if fault:
+            self.on_failure(group, reason, time.monotonic())  # the step call may have been first
+        else:
+            group.mark_failed(reason)
+            group.detected = True  # its processes' exits are not news
         self.state, self.group = SlotState.RECOVERING, None
+        self.from_checkpoint, self.state_lost = None, False
         lost = await self._end_generation(group)
-        if not self.may_restart(reason):
+        if fault and not self.may_restart(reason):
             return
         while True:
             try:
@@ -303,13 +323,17 @@ class Slot:
         # Spent once asked: a second failure before the next generation's first answer adds nothing.
         member, self.member = self.member, ""
         self.skip_steps += rejoin.trained_unreported(self.ctx, self, member)
-        if not await self.activate(rejoining=True):
+        found = await rejoin.checkpoint_to_reload(self.ctx, self)
+        if not await self.activate(rejoining=found is None, resume=found):
             return
         if self.ctx.finishing:
             await self.retire(self.unfinished())
             return
         self.state = SlotState.REJOINING
-        self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}, rejoining")
+        if found is not None:
+            rejoin.resume_from(self.ctx, self, found)
+        loaded = f", loaded the checkpoint at step {found.step}" if found else ""
+        self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}{loaded}, rejoining")
 
     async def retire(self, reason: str) -> None:
         group = self.group

@@ -5,10 +5,15 @@ A comms abort leaves the process alive: TorchFT reconfigures its process group a
 group goes on without a respawn. A hang (GIL held in a native sleep, sockets open, TorchFT's
 native heartbeats still beating) and a frozen process (SIGSTOP) are noticed from step
 times plus a liveness ping, long before `timeouts.step_s`, and the group is respawned and
-heals from a peer.
+heals from a peer. Every group failing at once goes back to the newest checkpoint, or, with
+none, starts over and says so.
 """
 
 from __future__ import annotations
+
+import json
+
+import pytest
 
 from conftest import train
 
@@ -46,6 +51,38 @@ def test_every_group_failing_at_once_is_reported_as_lost_progress_not_a_recovery
     assert "scratch" in {f["recovered_from"] for f in s["faults"]}
     assert "peer" not in {f["recovered_from"] for f in s["faults"]}, "a fresh peer is no recovery"
     assert s["outcome"]["status"] == "degraded" and "training state lost" in s["outcome"]["reasons"][0]
+    assert run.leftovers == [], run.leftovers
+
+
+@pytest.mark.parametrize("faults", [
+    "kill@30:0,kill@30:1",  # both at once: each new generation loads the checkpoint
+    "kill@30:0,kill@32:1",  # the last holder dies while the other comes back to heal from it
+])
+def test_every_group_failing_at_once_goes_back_to_the_newest_checkpoint_not_to_scratch(run_dir, faults):
+    # With checkpoints on, a new generation with no one to heal from loads the newest complete
+    # checkpoint; one already built to heal heals from it (or, alone, is rebuilt to load it).
+    # The steps after it are trained again; nothing is lost beyond it, and the run ends ok.
+    run = train(run_dir, "replicas=2", "steps=60", f"faults={faults}",
+                "checkpoint.every_min=0.03", "checkpoint.keep=50")
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    [lost] = s["progress_lost"]
+    at = next(i for i, e in enumerate(run.events) if e["event"] == "progress_lost")
+    noted = [e["step"] for e in run.events[:at] if e["event"] == "checkpoint_noted"]
+    complete = [n for n in noted if (run.path / "checkpoints" / f"step-{n}" / ".metadata").is_file()]
+    step = lost["restarted_at_step"]
+    assert complete and step == max(complete), (lost, noted, complete)
+    assert lost["from_checkpoint"].endswith(f"step-{step}") and lost["at_step"] >= 30
+    sources = [f["recovered_from"] for f in s["faults"]]
+    assert "checkpoint" in sources and set(sources) <= {"checkpoint", "peer"}, s["faults"]
+    assert all(f["heal_bytes"] == 0 for f in s["faults"] if f["recovered_from"] == "checkpoint"), s["faults"]
+    steps = [json.loads(line) for line in (run.path / "steps.jsonl").read_text().splitlines()]
+    again = sorted({x["step"] for x in steps if x["wall"] > run.events[at]["wall"] and x["committed"] and x["step"] > step})
+    assert again == list(range(step + 1, 61)), again
+    assert f"went back to the checkpoint at step {step}" in run.output
+    assert s["outcome"]["status"] == "ok" and s["committed_steps"] == 60
+    assert s["unplanned_failures"] == [] and s["lost_replicas"] == []
+    assert len(set(s["final_param_digest"].values())) == 1
     assert run.leftovers == [], run.leftovers
 
 

@@ -47,6 +47,20 @@ def test_the_ledger_keeps_only_the_steps_it_has_not_logged():
     assert ledger.first_and_last_loss() == {"first": 9.999, "last": 0.0}
 
 
+def test_a_rewind_to_a_checkpoint_trains_steps_again_but_logs_each_step_once():
+    sink = Sink()
+    ledger = StepLedger(40, sink, sink, sink, lambda: StatusCounts(2, 2, 0, 0))
+    for step in range(1, 31):
+        ledger.add(result(0, step, loss=1.0), now=step)
+    ledger.rewind(23)  # every group failed at 30; the checkpoint is at 23
+    assert ledger.run_step == 23
+    for step in range(24, 41):
+        ledger.add(result(0, step, loss=2.0), now=100 + step)
+    ledger.flush(final=True)
+    assert [s for s, _ in sink.logged] == list(range(1, 41)), "W&B's step only grows"
+    assert sink.logged[30] == (31, 2.0) and ledger.run_step == 40
+
+
 def test_a_restart_reads_only_the_end_of_a_long_steps_file(tmp_path):
     run = tmp_path / "r1"
     run.mkdir()

@@ -47,7 +47,11 @@ def test_a_soak_of_forty_faults_and_a_controller_kill_loses_nothing_beyond_the_c
     assert previous["steps_lost"] == previous["last_step"] - previous["resumed_from_step"], previous
     assert s["unplanned_failures"] == [] and s["lost_replicas"] == [], s
     assert no_loss_beyond_the_checkpoint(run.events)
-    assert all(f["recovered_from"] in ("peer", "in place") for f in s["faults"]), s["faults"]
+    # "checkpoint": every group holding the state was down at once (then a progress_lost says so)
+    assert all(f["recovered_from"] in ("peer", "in place", "checkpoint") for f in s["faults"]), s["faults"]
+    from_checkpoint = [f for f in s["faults"] if f["recovered_from"] == "checkpoint"]
+    assert not from_checkpoint or s["progress_lost"], (from_checkpoint, s["progress_lost"])
+    assert all(p["from_checkpoint"] for p in s["progress_lost"]), s["progress_lost"]
     faults = before_kill + s["faults"]
     during = [f for f in s["faults"] if f["during"] == "rejoin"]
     hosts = [f for f in s["faults"] if f["kind"] == "host"]
@@ -64,7 +68,7 @@ def test_a_soak_of_forty_faults_and_a_controller_kill_loses_nothing_beyond_the_c
 def no_loss_beyond_the_checkpoint(events: list[dict]) -> bool:
     """Every group holding the state may fail at once (the schedule's two host losses while
     the third group recovers): training may then go back no further than the newest
-    checkpoint noted before it, in either attempt."""
+    complete checkpoint before it (the live controller loads it), in either attempt."""
     newest = 0
     for e in events:
         if e["event"] == "checkpoint_noted":
