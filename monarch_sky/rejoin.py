@@ -90,12 +90,17 @@ class Behind(enum.Enum):
     STATE_LOST = "state lost"  # behind, and nobody holds the state any more
 
 
+def commit_slack(ctx: RunContext) -> int:
+    """How far behind the run's step a commit may be and still be at it (DiLoCo: a sync interval)."""
+    return ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
+
+
 def holders(ctx: RunContext, slot) -> list:
     """The other groups holding the run's training state: training at the run's step, or
     a new generation loaded from the checkpoint the run went back to (before its first commit)."""
     from monarch_sky.slot import SlotState
 
-    slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
+    slack = commit_slack(ctx)
     return [
         s for s in ctx.slots
         if s is not slot and (s.from_checkpoint is not None and s.state is SlotState.REJOINING
@@ -111,7 +116,7 @@ def behind(ctx: RunContext, slot, r: StepResult) -> Behind:
     2-core machine). If a holder still trains, the next quorum heals the newcomer from it;
     if none does, the state is lost (`checkpoint_to_reload`, `note_progress_lost`).
     """
-    slack = ctx.cfg.ft.sync_steps if ctx.cfg.ft.mode == "diloco" else 1
+    slack = commit_slack(ctx)
     if r.step >= ctx.ledger.run_step - slack or slot.from_checkpoint is not None:
         return Behind.NO
     return Behind.CATCHING_UP if holders(ctx, slot) else Behind.STATE_LOST
