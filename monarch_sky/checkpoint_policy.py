@@ -119,8 +119,9 @@ def restart_message(run_id: str, previous: dict[str, Any]) -> str:
 
 
 class CheckpointPolicy:
-    def __init__(self, ctx, resume: Found | None = None):
+    def __init__(self, ctx, resume: Found | None = None, previous: dict[str, Any] | None = None):
         self.ctx = ctx
+        self.previous = previous  # what resume_from said about the restart; kept true by set_aside
         self.settings = ctx.cfg.checkpoint
         self.every_s = self.settings.every_min * 60.0
         self.folder = checkpoints.folder_for(ctx.cfg)
@@ -131,6 +132,7 @@ class CheckpointPolicy:
         self._history: dict[int, dict[int, tuple]] = {}  # replica -> step -> per-rank data states
         self.off_because: str | None = None  # why checkpoints were turned off although asked for
         self.probe: str | None = None
+        self.unreadable: set[int] = set()  # the steps of checkpoints that failed to load, set aside
         if self.every_s > 0:
             try:
                 self.probe = str(checkpoints.write_probe(self.folder, ctx.cfg.run_id))
@@ -171,10 +173,34 @@ class CheckpointPolicy:
         the training state; None if checkpoints are off or none is complete yet."""
         if not self.enabled and self.resume is None:
             return None
-        found = await off_loop(checkpoints.newest, self.folder)
+        found = await off_loop(checkpoints.newest, self.folder, frozenset(self.unreadable))
         if found is None or found.note.get("run_id", self.ctx.cfg.run_id) != self.ctx.cfg.run_id:
             return None  # resume_from refused another run's at start; one copied in since is not ours either
         return found
+
+    async def set_aside(self, found: Found, reason: str) -> Found | None:
+        """A group could not load `found`: move it out of the way (once, however many groups
+        failed on it) and return the next newest complete checkpoint, which the run goes back
+        to instead (None: there is none, and training starts over)."""
+        first = found.step not in self.unreadable
+        self.unreadable.add(found.step)
+        older = await self.newest()
+        if first:
+            try:
+                moved = str(await off_loop(checkpoints.set_aside, found))
+            except OSError as e:
+                moved = f"left in place ({e.strerror})"
+            self.ctx.record.event("checkpoint_unreadable", step=found.step, path=str(found.path), moved_to=moved,
+                                  reason=reason, going_back_to=older.step if older else None)
+            instead = f"the checkpoint at step {older.step}" if older else "no older checkpoint: training starts over"
+            self.ctx.display.line(f"[checkpoint] WARNING: the checkpoint at step {found.step} cannot be loaded "
+                                  f"({reason}); set aside as {moved}; going back to {instead}")
+        if self.resume is not None and self.resume.step == found.step:  # a restart resuming from it
+            self.resume = older
+            if self.previous is not None:
+                self.previous["resumed_from_step"] = older.step if older else None
+                self.previous["steps_lost"] = self.previous["last_step"] - (older.step if older else 0)
+        return older
 
     def none_to_reload(self) -> str:
         """Why a run that lost its training state starts over instead of loading a checkpoint."""

@@ -26,6 +26,8 @@ from typing import Any
 NOTE = "monarch_sky.json"
 PROBE = ".seen-by-every-host"  # the controller writes it; each group says whether its hosts see it
 STEP_DIR = re.compile(r"step-(\d+)")
+UNREADABLE = "cannot load the checkpoint step-{step}"  # a trainer's load error starts so (`unreadable_step`)
+SET_ASIDE = "unreadable-{step}"  # no "step-" in it: neither `newest` nor TorchTitan's purge sees it
 TARGET_SHARE = 0.01  # a checkpoint interval costs about this share of the throughput
 
 
@@ -67,10 +69,11 @@ def step_dirs(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def newest(folder: Path) -> Found | None:
-    """The newest complete checkpoint: DCP finished it (`.metadata`) and its note is there."""
+def newest(folder: Path, skip: frozenset[int] = frozenset()) -> Found | None:
+    """The newest complete checkpoint: DCP finished it (`.metadata`) and its note is there
+    (none of the steps in `skip`)."""
     for step, path in reversed(step_dirs(folder)):
-        if not (path / ".metadata").is_file():
+        if step in skip or not (path / ".metadata").is_file():
             continue
         try:
             note = decode(json.loads((path / NOTE).read_text()))
@@ -79,6 +82,22 @@ def newest(folder: Path) -> Found | None:
         if note.get("step") == step:
             return Found(step, path, note)
     return None
+
+
+def unreadable(error: str) -> tuple[int, str] | None:
+    """If a group failed to start because it could not load a checkpoint: its step, and the
+    line that says why (`error`: the whole report, remote traceback included)."""
+    m = re.search(UNREADABLE.format(step=r"(\d+)") + r"[^\n]*", error)
+    return (int(m.group(1)), m.group(0)[:300]) if m else None
+
+
+def set_aside(found: Found) -> Path:
+    """Move a checkpoint that fails to load out of the way (kept for a look, never loaded again)."""
+    target = found.path.with_name(SET_ASIDE.format(step=found.step))
+    if target.exists():
+        shutil.rmtree(target, ignore_errors=True)
+    found.path.rename(target)
+    return target
 
 
 def discard_newer(folder: Path, step: int) -> list[str]:

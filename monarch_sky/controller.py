@@ -53,7 +53,7 @@ class Controller:
         self.ctx = ctx = RunContext(cfg, provider, record, tracker, display, platform_mod.detect())
         ctx.injector = FaultInjector(job.faults, cfg.seed, ranks_per_group(cfg), record, display, tracker)
         ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
-        ctx.checkpoints = CheckpointPolicy(ctx, resume)
+        ctx.checkpoints = CheckpointPolicy(ctx, resume, previous_controller)
         ctx.spares = SparePool(ctx)
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None

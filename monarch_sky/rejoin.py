@@ -153,11 +153,13 @@ def note_progress_lost(ctx: RunContext, slot, restarted_at: int, found=None) -> 
             "from_checkpoint": str(found.path) if found else None}
     ctx.progress_lost.append(lost)
     ctx.record.event("progress_lost", **lost)
+    ctx.ledger.rewind(restarted_at)
     if found is not None:
-        ctx.ledger.rewind(found.step)
         went = f"loaded the checkpoint at step {found.step}: {at - found.step} steps are trained again"
     else:
         went = f"training restarts at step {restarted_at}, {ctx.checkpoints.none_to_reload()}"
+        for other in ctx.slots:  # those still coming back heal from one that started over: no recovery
+            other.started_over = other is not slot and not other.active
     ctx.display.line(f"[run] every group holding the training state failed at step {at}; {went}")
 
 

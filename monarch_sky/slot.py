@@ -18,7 +18,7 @@ import enum
 import time
 from typing import Any
 
-from monarch_sky import rejoin
+from monarch_sky import checkpoints, rejoin
 from monarch_sky.context import RunContext
 from monarch_sky.data_position import DataHandover
 from monarch_sky.detection import kill_on_hosts
@@ -58,6 +58,7 @@ class Slot:
         self.heal: HealInfo | None = None  # this generation's healing step
         self.from_checkpoint: int | None = None  # the checkpoint step this generation loaded, until it rejoins
         self.state_lost = False  # this generation trained from scratch where a checkpoint could be loaded
+        self.started_over = False  # training started over while this slot was down: a heal brings no progress back
 
     @property
     def hosts(self) -> list[Host]:
@@ -78,12 +79,19 @@ class Slot:
         retries up to ft.max_restarts, on new hosts in place of any that died meanwhile."""
         while True:
             began = time.monotonic()
+            loading = resume or (None if rejoining else self.ctx.checkpoints.resume)  # a restart's: no `resume`
             try:
                 data = DataHandover(self.data_states, self.skip_steps) if rejoining else DataHandover()
                 group, warm, info = await self.gens.build(rejoining, data, resume)
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
+                unreadable = checkpoints.unreadable(str(e))
+                if loading is not None and unreadable and unreadable[0] == loading.step:
+                    older = await self.ctx.checkpoints.set_aside(loading, unreadable[1])  # a restart's resume too
+                    if resume is not None:  # going back live: to the older one, or (none) from scratch
+                        resume, rejoining = older, older is None
+                    continue  # the checkpoint failed, not the group: no restart spent
                 if not self.may_restart(f"could not start: {reason}"):
                     return False
                 self.last_failure = await self.gens.move_off_dead_hosts() or self.last_failure
@@ -94,6 +102,8 @@ class Slot:
                 self.lose(refused)
                 return False
             self.group, self.member, self.step_calls, self.heal = group, "", 0, None
+            if resume is not None:
+                rejoin.resume_from(self.ctx, self, resume)
             self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
@@ -230,8 +240,10 @@ class Slot:
                 return
             rejoin.note_progress_lost(self.ctx, self, r.step)
         self.state = SlotState.TRAINING
-        source = "peer" if r.healed and behind == rejoin.Behind.NO else "checkpoint" if self.from_checkpoint else "scratch"
-        self.from_checkpoint = None
+        source = "checkpoint" if self.from_checkpoint is not None else "scratch"
+        if r.healed and behind == rejoin.Behind.NO and not self.started_over:
+            source = "peer"
+        self.from_checkpoint, self.started_over = None, False
         heal, self.heal = self.heal or HealInfo(0, 0.0, 0.0), None
         faults = self.ctx.injector.rejoined(self.index, self.group.generation, source, now, heal)
         self.ctx.record.event(
@@ -330,9 +342,7 @@ class Slot:
             await self.retire(self.unfinished())
             return
         self.state = SlotState.REJOINING
-        if found is not None:
-            rejoin.resume_from(self.ctx, self, found)
-        loaded = f", loaded the checkpoint at step {found.step}" if found else ""
+        loaded = f", loaded the checkpoint at step {self.from_checkpoint}" if self.from_checkpoint is not None else ""
         self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}{loaded}, rejoining")
 
     async def retire(self, reason: str) -> None:

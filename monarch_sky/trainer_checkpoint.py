@@ -25,7 +25,12 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from monarch_sky.checkpoints import CheckpointSpec
+from monarch_sky.checkpoints import UNREADABLE, CheckpointSpec
+from monarch_sky.supervision import short_reason
+
+
+class CheckpointUnreadable(RuntimeError):
+    """A complete checkpoint that this rank could not load (corrupt, truncated, a bad mount)."""
 
 
 class CommittedProgress:
@@ -77,14 +82,21 @@ class TrainerCheckpoint:
         self._optimizers.init_cache_state_dict()
 
     def load(self, step: int) -> dict[str, Any]:
-        """Load the checkpoint at `step` into this rank; returns what was loaded."""
+        """Load the checkpoint at `step` into this rank; returns what was loaded. Any failure
+        raises CheckpointUnreadable: the controller then sets it aside and tries an older one."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
         began = time.perf_counter()
-        self._refresh_optimizer_view()
-        if not self.checkpointer.load(step=step):
-            raise RuntimeError(f"no checkpoint at step {step} in {self.checkpointer.folder}")
-        loaded = self._progress.state_dict()["progress"]
-        if loaded != step:
-            raise RuntimeError(f"the checkpoint in step-{step} holds step {loaded}")
+        try:
+            self._refresh_optimizer_view()
+            if not self.checkpointer.load(step=step):
+                raise FileNotFoundError(f"no checkpoint at step {step} in {self.checkpointer.folder}")
+            loaded = self._progress.state_dict()["progress"]
+            if loaded != step:
+                raise ValueError(f"the checkpoint in step-{step} holds step {loaded}")
+        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+            # One line the controller reads the step from (DCP's own message is a traceback per rank).
+            raise CheckpointUnreadable(f"{UNREADABLE.format(step=step)}: {type(e).__name__}: {short_reason(str(e))}") from e
         return {"step": loaded, "load_s": round(time.perf_counter() - began, 3)}
 
     def save(self, step: int) -> dict[str, Any]:

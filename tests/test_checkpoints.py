@@ -35,6 +35,26 @@ def test_newest_is_the_highest_step_with_metadata_and_note(tmp_path):
     assert [s for s, _ in checkpoints.step_dirs(tmp_path)] == [5, 40, 100, 120, 130]
 
 
+def test_a_checkpoint_set_aside_is_seen_by_neither_the_run_nor_torchtitans_purge(tmp_path):
+    import re
+
+    make_step(tmp_path, 10, note={"step": 10})
+    make_step(tmp_path, 20, note={"step": 20})
+    moved = checkpoints.set_aside(checkpoints.newest(tmp_path))
+    assert moved.name == "unreadable-20" and (moved / "__0_0.distcp").is_file(), "kept for a look"
+    assert checkpoints.newest(tmp_path).step == 10
+    assert not any(re.search(r"step-(\d+)", p.name) for p in [moved])  # TorchTitan's purge pattern
+    assert checkpoints.newest(tmp_path, skip=frozenset({10})) is None
+
+
+def test_a_start_that_failed_on_a_checkpoint_says_which_step_from_anywhere_in_the_report():
+    report = ("SupervisionError: Endpoint call r0g1-replica.setup() failed\n  Traceback (most recent call last):\n"
+              "    File x\n  monarch_sky.trainer_checkpoint.CheckpointUnreadable: cannot load the checkpoint "
+              "step-48: CheckpointException: EOFError\n  more")
+    assert checkpoints.unreadable(report) == (48, "cannot load the checkpoint step-48: CheckpointException: EOFError")
+    assert checkpoints.unreadable("RuntimeError: no checkpoint at step 48") is None
+
+
 def test_no_checkpoint(tmp_path):
     assert checkpoints.newest(tmp_path / "absent") is None
     make_step(tmp_path, 3, complete=False, note={})

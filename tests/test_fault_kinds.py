@@ -12,10 +12,12 @@ none, starts over and says so.
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 
-from conftest import train
+from conftest import new_tag, read_events, train
+from monarch_sky import checkpoints
 
 
 def test_comms_hang_and_stop_all_heal_with_equal_digests(run_dir):
@@ -82,6 +84,48 @@ def test_every_group_failing_at_once_goes_back_to_the_newest_checkpoint_not_to_s
     assert f"went back to the checkpoint at step {step}" in run.output
     assert s["outcome"]["status"] == "ok" and s["committed_steps"] == 60
     assert s["unplanned_failures"] == [] and s["lost_replicas"] == []
+    assert len(set(s["final_param_digest"].values())) == 1
+    assert run.leftovers == [], run.leftovers
+
+
+def test_a_checkpoint_that_cannot_be_loaded_sends_the_run_back_to_the_one_before(run_dir):
+    # Both groups die at step 30, and every checkpoint from step 20 on was damaged once
+    # complete (its tensor files emptied, `.metadata` and note intact): each is set aside
+    # in turn, and the run goes back to the newest one before step 20, not to scratch.
+    tag = new_tag()
+    record, damaged = run_dir / tag, []
+    stop = threading.Event()
+
+    def damage() -> None:
+        while not stop.wait(0.02):
+            if any(e["event"] == "progress_lost" for e in read_events(record / "events.jsonl")):
+                return  # the run went back: what it saves from now on stays whole
+            for step, path in checkpoints.step_dirs(record / "checkpoints"):
+                if step >= 20 and step not in damaged and (path / ".metadata").is_file():
+                    for f in path.glob("*.distcp"):
+                        f.write_bytes(b"")
+                    damaged.append(step)
+
+    damager = threading.Thread(target=damage, daemon=True)
+    damager.start()
+    try:
+        run = train(run_dir, "replicas=2", "steps=60", "faults=kill@30:0,kill@30:1",
+                    "checkpoint.every_min=0.03", "checkpoint.keep=50", tag=tag)
+    finally:
+        stop.set()
+        damager.join(timeout=10)
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    set_aside = [e["step"] for e in run.events if e["event"] == "checkpoint_unreadable"]
+    assert set_aside and set(set_aside) <= set(damaged), (set_aside, damaged)
+    [lost] = s["progress_lost"]
+    at = next(i for i, e in enumerate(run.events) if e["event"] == "progress_lost")
+    noted = [e["step"] for e in run.events[:at] if e["event"] == "checkpoint_noted"]
+    assert lost["restarted_at_step"] == max(n for n in noted if n < 20), (lost, noted, damaged)
+    assert all((record / "checkpoints" / f"unreadable-{step}").is_dir() for step in set_aside)
+    assert "checkpoint" in {f["recovered_from"] for f in s["faults"]}, s["faults"]
+    assert s["outcome"]["status"] == "ok" and s["committed_steps"] == 60, s["outcome"]
+    assert s["restarts"] == {"0": 1, "1": 1}, "an unreadable checkpoint cost a group a restart"
     assert len(set(s["final_param_digest"].values())) == 1
     assert run.leftovers == [], run.leftovers
 

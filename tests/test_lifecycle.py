@@ -101,15 +101,19 @@ def test_an_incomplete_run_trains_again_under_its_run_id(tmp_path):
     assert restart["ended"] == "incomplete", restart
 
 
-def kill_once_checkpointed(tmp_path, tag: str, *overrides: str, folder=None) -> dict:
-    """Start a run with checkpoints on, SIGKILL its controller once a checkpoint is complete
-    and a few more steps have committed; returns the newest checkpoint's step."""
+def complete_checkpoints(folder) -> list[int]:
+    return [s for s, p in checkpoints.step_dirs(folder) if (p / ".metadata").is_file() and (p / checkpoints.NOTE).is_file()]
+
+
+def kill_once_checkpointed(tmp_path, tag: str, *overrides: str, folder=None, complete: int = 1) -> dict:
+    """Start a run with checkpoints on, SIGKILL its controller once `complete` checkpoints are
+    complete and a few more steps have committed; returns the newest checkpoint's step."""
     first = start(tmp_path, tag, *overrides)
     folder = folder or tmp_path / tag / "checkpoints"
     try:
         wait_for_event(tmp_path / tag / "events.jsonl", "checkpoint_noted", timeout_s=300)
         deadline = time.monotonic() + 120
-        while checkpoints.newest(folder) is None and time.monotonic() < deadline:
+        while len(complete_checkpoints(folder)) < complete and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(2)  # a few steps past it: those are lost
         first.kill()  # the controller dies; its hosts and trainers do not
@@ -145,6 +149,38 @@ def test_a_run_killed_with_its_controller_resumes_from_its_newest_checkpoint(tmp
     digests = s["final_param_digest"]
     assert sorted(digests) == ["0", "1"] and len(set(digests.values())) == 1, digests
     assert s["checkpoints_written"] > 0 and s["checkpoint"]["resumed_from_step"] == step
+    assert run.leftovers == []
+
+
+def truncate(checkpoint) -> None:
+    """Damage a complete checkpoint the way a half-copied bucket does: its tensor files are
+    empty, its `.metadata` and note intact (so it still counts as complete)."""
+    for f in checkpoint.glob("*.distcp"):
+        f.write_bytes(b"")
+
+
+def test_a_checkpoint_that_cannot_be_loaded_is_set_aside_and_the_run_resumes_from_the_one_before(tmp_path):
+    tag = new_tag()
+    args = ("replicas=2", "procs_per_replica=1", "steps=60", "faults=none", "ft.standby=false",
+            "checkpoint.every_min=0.03", "checkpoint.keep=3")
+    killed = kill_once_checkpointed(tmp_path, tag, *args, complete=2)
+    folder = tmp_path / tag / "checkpoints"
+    bad, older = killed["newest_at_kill"], complete_checkpoints(folder)[-2]
+    truncate(folder / f"step-{bad}")
+    run = train(tmp_path, *args, tag=tag)
+    assert run.returncode == 0, run.output[-3000:]
+    s = run.summary
+    [unreadable] = [e for e in run.events if e["event"] == "checkpoint_unreadable"]
+    assert (unreadable["step"], unreadable["going_back_to"]) == (bad, older), unreadable
+    assert "cannot load the checkpoint step-" in unreadable["reason"], unreadable
+    assert (folder / f"unreadable-{bad}").is_dir() and not (folder / f"step-{bad}").exists()
+    previous = s["previous_controller"]
+    assert previous["resumed_from_step"] == older and previous["steps_lost"] == previous["last_step"] - older, previous
+    assert f"the checkpoint at step {bad} cannot be loaded" in run.output
+    assert s["committed_steps"] == 60 and s["outcome"]["status"] == "ok", s["outcome"]
+    assert set(s["scheduler_steps"].values()) == {60}
+    assert len(set(s["final_param_digest"].values())) == 1, s["final_param_digest"]
+    assert s["restarts"] == {"0": 0, "1": 0}, "an unreadable checkpoint cost a group a restart"
     assert run.leftovers == []
 
 
