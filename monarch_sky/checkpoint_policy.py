@@ -233,6 +233,8 @@ class CheckpointPolicy:
 
     async def after_step(self, slot, r) -> None:
         """Called by a slot after each step result; saves when this slot is due to."""
+        if r.write_failed:
+            self._write_failed(slot, *r.write_failed)
         history = self._history.setdefault(slot.index, {})
         history[r.step] = r.data_states
         for old in [s for s in history if s <= r.step - HISTORY]:
@@ -261,14 +263,25 @@ class CheckpointPolicy:
         info = await slot.group.save_checkpoint(step, ctx.cfg.timeouts.step_s)
         waited_s = round(time.monotonic() - began, 3)
         if info["error"]:
-            self.failed.append({"step": step, "replica": slot.index, "error": info["error"]})
-            ctx.record.event("checkpoint_failed", replica=slot.index, step=step, error=info["error"])
+            self.failed.append({"step": step, "replica": slot.index, "error": info["error"], "stage": "save"})
+            ctx.record.event("checkpoint_failed", replica=slot.index, step=step, error=info["error"], stage="save")
             ctx.display.line(f"[checkpoint] replica {slot.index} could not save step {step}: {info['error']}")
             return
         saved = {"step": step, "replica": slot.index, "blocking_s": round(info["blocking_s"], 4), "waited_s": waited_s}
         self.saved.append(saved)
         ctx.record.event("checkpoint_staged", **saved)
         ctx.in_background(self._write_note(step, slot.index))
+
+    def _write_failed(self, slot, step: int, error: str) -> None:
+        """The background write of `step` failed (reported by the step after it finished):
+        the checkpoint never completes, and the one before it stays the one to go back to."""
+        if any(f["step"] == step for f in self.failed):
+            return  # another rank of the group said so already
+        self.failed.append({"step": step, "replica": slot.index, "error": error, "stage": "write"})
+        self.saved = [s for s in self.saved if s["step"] != step]
+        self.ctx.record.event("checkpoint_failed", replica=slot.index, step=step, error=error, stage="write")
+        self.ctx.display.line(f"[checkpoint] WARNING: replica {slot.index}'s write of step {step} failed: {error}; "
+                              "the checkpoint before it stays the newest")
 
     async def _write_note(self, step: int, saver: int) -> None:
         """Note every group's data position at `step` once each training group reached it."""

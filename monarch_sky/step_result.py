@@ -31,6 +31,7 @@ class StepResult:
     # Per rank (rank order): the dataloader state at the last point whose training stands;
     # the group's next generation continues its data exactly there.
     data_states: tuple = ()
+    write_failed: tuple = ()  # (step, error): a background checkpoint write that failed since the last step
     member: str = ""  # this generation's id in TorchFT's quorum of this step ("": no quorum ran)
     quorum: tuple = ()  # every member's id in that quorum
 
@@ -74,6 +75,7 @@ def combine(per_rank: list[StepResult]) -> StepResult:
         snapshot_s=max(r.snapshot_s for r in per_rank),
         seconds=max(r.seconds for r in per_rank),
         data_states=tuple(state for r in per_rank for state in r.data_states),
+        write_failed=next((r.write_failed for r in per_rank if r.write_failed), ()),
     )
 
 

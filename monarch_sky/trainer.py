@@ -198,6 +198,7 @@ class GroupTrainer:
             heal_bytes=self._take_heal_bytes(),
             seconds=time.perf_counter() - start,
             data_states=(self._data.kept,),
+            write_failed=self.checkpoint.take_write_failure() if self.checkpoint is not None else (),
             member=member,
             quorum=quorum if self._rank == 0 else (),  # the same on every rank: sent once
             **heal_transport.step_stats(self.transport),

@@ -64,6 +64,8 @@ class TrainerCheckpoint:
             exclude_from_loading=[DATALOADER],
             initial_load_model_only=False,
         )
+        self._writing_step: int | None = None  # the step of the last background write asked for
+        self._write_failed: tuple = ()  # (step, error) of a background write that failed, not yet reported
         self._optimizers = trainer.optimizers
         self._progress = CommittedProgress(trainer, manager, progress)
         self.checkpointer = CheckpointManager(
@@ -107,12 +109,30 @@ class TrainerCheckpoint:
         """
         began = time.perf_counter()
         error = None
+        self._check_write()
         try:
             self._refresh_optimizer_view()
             self.checkpointer.save(step)
+            self._writing_step = step
         except Exception as e:  # noqa: BLE001 - a checkpoint never fails a training group
             error = f"{type(e).__name__}: {e}"[:300]
         return {"step": step, "blocking_s": time.perf_counter() - began, "error": error}
+
+    def _check_write(self) -> None:
+        """Note the last background write's failure once it has finished failing."""
+        future = self.checkpointer.save_future
+        if future is None or not future.done() or future.exception() is None:
+            return
+        error = future.exception()
+        # Cleared: TorchTitan keeps a failed write's future and re-raises it at every later save.
+        self.checkpointer.save_future = None
+        self._write_failed = (self._writing_step, f"{type(error).__name__}: {short_reason(str(error))}")
+
+    def take_write_failure(self) -> tuple:
+        """(step, error) of a background write that failed since the last call, or ()."""
+        self._check_write()
+        failed, self._write_failed = self._write_failed, ()
+        return failed
 
     def before_update(self) -> None:
         """Wait for a pinned-memory stage still copying the parameters the optimizer is

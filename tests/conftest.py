@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -153,3 +154,15 @@ def in_fresh_interpreter(target, tmp: Path, timeout_s: float = 300) -> dict:
         proc.join(timeout=60)
         if proc.is_alive():
             proc.kill()
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str = "2m"):
+    """A tmpfs of `size` mounted at `path` (root only: the test is skipped otherwise)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True).returncode:
+        pytest.skip("mounting a small tmpfs needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)

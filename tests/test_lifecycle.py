@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import REPO, cli_env, leftovers, new_tag, start, train, train_command, wait_for_event
+from conftest import REPO, cli_env, leftovers, new_tag, small_disk, start, train, train_command, wait_for_event
 
 from monarch_sky import checkpoints
 from monarch_sky.test_hooks import LEAK_ENV
@@ -182,6 +182,21 @@ def test_a_checkpoint_that_cannot_be_loaded_is_set_aside_and_the_run_resumes_fro
     assert len(set(s["final_param_digest"].values())) == 1, s["final_param_digest"]
     assert s["restarts"] == {"0": 0, "1": 0}, "an unreadable checkpoint cost a group a restart"
     assert run.leftovers == []
+
+
+def test_a_checkpoint_write_that_fails_is_reported_at_once_and_the_next_save_is_tried(tmp_path):
+    # The checkpoint folder is a 2 MB disk, each checkpoint ~11 MB: every write fails in the
+    # background. Each failure is reported for its own step before the next save, training goes on.
+    with small_disk(tmp_path / "disk") as disk:
+        run = train(tmp_path, "replicas=2", "procs_per_replica=1", "steps=40", "faults=none",
+                    "checkpoint.every_min=0.03", f"checkpoint.folder={disk}")
+    assert run.returncode == 0, run.output[-3000:]
+    staged = [e["step"] for e in run.events if e["event"] == "checkpoint_staged"]
+    failed = [e for e in run.events if e["event"] == "checkpoint_failed"]
+    assert len(staged) >= 2 and {e["stage"] for e in failed} == {"write"}, (staged, failed)
+    assert [e["step"] for e in failed] == staged[:len(failed)] and len(failed) >= len(staged) - 1, (staged, failed)
+    assert "write of step" in run.output and run.summary["checkpoint"]["saved_steps"] == staged[len(failed):]
+    assert run.summary["committed_steps"] == 40 and run.summary["outcome"]["status"] == "ok"
 
 
 def test_a_controller_on_a_new_machine_resumes_from_the_shared_checkpoint_folder(tmp_path):

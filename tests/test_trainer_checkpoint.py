@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from conftest import in_fresh_interpreter
+from conftest import in_fresh_interpreter, small_disk
 
 from monarch_sky.healing import STATE_KEY
 
@@ -87,3 +87,44 @@ def test_torchtitan_checkpoint_saves_and_loads_the_training_state_and_leaves_hea
     assert result["exp_avg_nonzero"] and result["exp_avg_equal"], "optimizer state was not saved and loaded"
     assert result["lr"][0] == result["lr"][1] != 123.0
     assert result["tokens"][0] == result["tokens"][1] > 0
+
+
+def _write_to_a_full_disk(tmp: str, queue) -> None:
+    from pathlib import Path
+
+    from conftest import one_rank_trainer_env
+
+    from monarch_sky.checkpoints import CheckpointSpec
+    from monarch_sky.config import load_job
+    from monarch_sky.recipes import TrainerSpec
+    from monarch_sky.trainer import GroupTrainer
+
+    lighthouse = one_rank_trainer_env()
+    job = load_job(["replicas=1", "procs_per_replica=1", "steps=100", "faults=none"])
+    spec = CheckpointSpec(folder=str(Path(tmp) / "disk" / "checkpoints"), async_mode="async", keep=2)
+    trainer = GroupTrainer(TrainerSpec.from_job(job.config, 0, str(Path(tmp) / "dump"), "cpu", checkpoint=spec))
+    saves, reports = [], []
+    for _ in range(2):
+        saves.append(trainer.save_checkpoint(trainer.step().step))
+        deadline = time.monotonic() + 60  # the write runs in a thread of its own
+        while time.monotonic() < deadline:
+            r = trainer.step()
+            if r.write_failed:
+                reports.append(list(r.write_failed))
+                break
+    queue.put({"saves": saves, "reports": reports})
+    trainer.close()
+    lighthouse.shutdown()
+
+
+def test_a_background_write_that_fails_is_reported_by_the_next_steps_and_does_not_poison_the_next_save(tmp_path):
+    # The checkpoint (~11 MB) goes to a 2 MB disk: staging succeeds, the write fails. The
+    # failure must reach the controller within steps, naming that step; before, it showed up
+    # only as the next save's error, and TorchTitan re-raised it at every save after.
+    with small_disk(tmp_path / "disk"):
+        result = in_fresh_interpreter(_write_to_a_full_disk, tmp_path)
+    saves, reports = result["saves"], result["reports"]
+    assert [s["error"] for s in saves] == [None, None], saves  # staged; the second not poisoned by the first
+    assert [step for step, _ in reports] == [s["step"] for s in saves], (reports, saves)
+    # ENOSPC, or torch's serializer tripping over the short write first
+    assert all(error.startswith("CheckpointException") for _, error in reports), reports
