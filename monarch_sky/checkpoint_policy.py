@@ -195,7 +195,7 @@ class CheckpointPolicy:
             instead = f"the checkpoint at step {older.step}" if older else "no older checkpoint: training starts over"
             self.ctx.display.line(f"[checkpoint] WARNING: the checkpoint at step {found.step} cannot be loaded "
                                   f"({reason}); set aside as {moved}; going back to {instead}")
-        if self.resume is not None and self.resume.step == found.step:  # a restart resuming from it
+        if self._last_at is None and self.resume is not None and self.resume.step == found.step:  # a restart's
             self.resume = older
             if self.previous is not None:
                 self.previous["resumed_from_step"] = older.step if older else None

@@ -121,7 +121,7 @@ class TrainerCheckpoint:
     def _check_write(self) -> None:
         """Note the last background write's failure once it has finished failing."""
         future = self.checkpointer.save_future
-        if future is None or not future.done() or future.exception() is None:
+        if future is None or not future.done() or future.cancelled() or future.exception() is None:
             return
         error = future.exception()
         # Cleared: TorchTitan keeps a failed write's future and re-raises it at every later save.
