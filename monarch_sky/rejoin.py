@@ -96,15 +96,18 @@ def commit_slack(ctx: RunContext) -> int:
 
 
 def holders(ctx: RunContext, slot) -> list:
-    """The other groups holding the run's training state: training at the run's step, or
-    a new generation loaded from the checkpoint the run went back to (before its first commit)."""
+    """The other groups holding the run's training state: training at the run's step, a new
+    generation that healed at it (its step may not have committed: the holder it healed from
+    died in that step), or one loaded from the checkpoint the run went back to."""
     from monarch_sky.slot import SlotState
 
     slack = commit_slack(ctx)
+    at_run_step = [s for s in ctx.slots if s is not slot and s.step >= ctx.ledger.run_step - slack]
     return [
         s for s in ctx.slots
         if s is not slot and (s.from_checkpoint is not None and s.state is SlotState.REJOINING
-                              or s.state in (SlotState.TRAINING, SlotState.DONE) and s.step >= ctx.ledger.run_step - slack)
+                              or s in at_run_step and (s.state in (SlotState.TRAINING, SlotState.DONE)
+                                                       or s.state is SlotState.REJOINING and s.heal is not None))
     ]
 
 

