@@ -173,7 +173,7 @@ def test_a_checkpoint_that_cannot_be_loaded_is_set_aside_and_the_run_resumes_fro
     [unreadable] = [e for e in run.events if e["event"] == "checkpoint_unreadable"]
     assert (unreadable["step"], unreadable["going_back_to"]) == (bad, older), unreadable
     assert "cannot load the checkpoint step-" in unreadable["reason"], unreadable
-    assert (folder / f"unreadable-{bad}").is_dir() and not (folder / f"step-{bad}").exists()
+    assert (folder / f"unreadable-{bad}").is_dir()  # (the resumed run may save a new step-{bad} of its own)
     previous = s["previous_controller"]
     assert previous["resumed_from_step"] == older and previous["steps_lost"] == previous["last_step"] - older, previous
     assert f"the checkpoint at step {bad} cannot be loaded" in run.output
