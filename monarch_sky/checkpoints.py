@@ -26,7 +26,7 @@ from typing import Any
 NOTE = "monarch_sky.json"
 PROBE = ".seen-by-every-host"  # the controller writes it; each group says whether its hosts see it
 STEP_DIR = re.compile(r"step-(\d+)")
-UNREADABLE = "cannot load the checkpoint step-{step}"  # a trainer's load error starts so (`unreadable_step`)
+UNREADABLE = "cannot load the checkpoint step-{step}"  # a trainer's load error says so (read back by `unreadable`)
 SET_ASIDE = "unreadable-{step}"  # no "step-" in it: neither `newest` nor TorchTitan's purge sees it
 TARGET_SHARE = 0.01  # a checkpoint interval costs about this share of the throughput
 

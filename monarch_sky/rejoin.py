@@ -101,14 +101,15 @@ def holders(ctx: RunContext, slot) -> list:
     died in that step), or one loaded from the checkpoint the run went back to."""
     from monarch_sky.slot import SlotState
 
-    slack = commit_slack(ctx)
-    at_run_step = [s for s in ctx.slots if s is not slot and s.step >= ctx.ledger.run_step - slack]
-    return [
-        s for s in ctx.slots
-        if s is not slot and (s.from_checkpoint is not None and s.state is SlotState.REJOINING
-                              or s in at_run_step and (s.state in (SlotState.TRAINING, SlotState.DONE)
-                                                       or s.state is SlotState.REJOINING and s.heal is not None))
-    ]
+    oldest = ctx.ledger.run_step - commit_slack(ctx)
+
+    def holds(s) -> bool:
+        if s.state is SlotState.REJOINING and s.from_checkpoint is not None:
+            return True
+        trains = s.state in (SlotState.TRAINING, SlotState.DONE) or s.state is SlotState.REJOINING and s.heal is not None
+        return trains and s.step >= oldest
+
+    return [s for s in ctx.slots if s is not slot and holds(s)]
 
 
 def behind(ctx: RunContext, slot, r: StepResult) -> Behind:
