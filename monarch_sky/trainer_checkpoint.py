@@ -25,8 +25,15 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from monarch_sky.checkpoints import UNREADABLE, CheckpointSpec
 from monarch_sky.supervision import short_reason
+
+
+# DCP's CheckpointException derives from BaseException: `except Exception` misses it, and
+# one escaping an endpoint aborts the ReplicaActor.
+CHECKPOINT_ERRORS = (Exception, CheckpointException)
 
 
 class CheckpointUnreadable(RuntimeError):
@@ -65,7 +72,7 @@ class TrainerCheckpoint:
             initial_load_model_only=False,
         )
         self._writing_step: int | None = None  # the step of the last background write asked for
-        self._write_failed: tuple = ()  # (step, error) of a background write that failed, not yet reported
+        self._write_failures: list[tuple] = []  # (step, error) of background writes that failed, not yet reported
         self._optimizers = trainer.optimizers
         self._progress = CommittedProgress(trainer, manager, progress)
         self.checkpointer = CheckpointManager(
@@ -86,8 +93,6 @@ class TrainerCheckpoint:
     def load(self, step: int) -> dict[str, Any]:
         """Load the checkpoint at `step` into this rank; returns what was loaded. Any failure
         raises CheckpointUnreadable: the controller then sets it aside and tries an older one."""
-        from torch.distributed.checkpoint.api import CheckpointException
-
         began = time.perf_counter()
         try:
             self._refresh_optimizer_view()
@@ -96,7 +101,7 @@ class TrainerCheckpoint:
             loaded = self._progress.state_dict()["progress"]
             if loaded != step:
                 raise ValueError(f"the checkpoint in step-{step} holds step {loaded}")
-        except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        except CHECKPOINT_ERRORS as e:
             # One line the controller reads the step from (DCP's own message is a traceback per rank).
             raise CheckpointUnreadable(f"{UNREADABLE.format(step=step)}: {type(e).__name__}: {short_reason(str(e))}") from e
         return {"step": loaded, "load_s": round(time.perf_counter() - began, 3)}
@@ -109,14 +114,22 @@ class TrainerCheckpoint:
         """
         began = time.perf_counter()
         error = None
-        self._check_write()
+        self._finish_write()
         try:
             self._refresh_optimizer_view()
             self.checkpointer.save(step)
             self._writing_step = step
-        except Exception as e:  # noqa: BLE001 - a checkpoint never fails a training group
-            error = f"{type(e).__name__}: {e}"[:300]
+        except CHECKPOINT_ERRORS as e:  # a checkpoint never fails a training group
+            error = f"{type(e).__name__}: {short_reason(str(e))}"[:300]
         return {"step": step, "blocking_s": time.perf_counter() - began, "error": error}
+
+    def _finish_write(self) -> None:
+        """Wait for the last background write, as TorchTitan's save would, but note its failure
+        for the controller instead of letting TorchTitan re-raise it into this save."""
+        future = self.checkpointer.save_future
+        if future is not None and not future.cancelled():
+            future.exception()  # blocks until the write ends; returns its error, never raises it
+        self._check_write()
 
     def _check_write(self) -> None:
         """Note the last background write's failure once it has finished failing."""
@@ -126,13 +139,13 @@ class TrainerCheckpoint:
         error = future.exception()
         # Cleared: TorchTitan keeps a failed write's future and re-raises it at every later save.
         self.checkpointer.save_future = None
-        self._write_failed = (self._writing_step, f"{type(error).__name__}: {short_reason(str(error))}")
+        self._write_failures.append((self._writing_step, f"{type(error).__name__}: {short_reason(str(error))}"))
 
     def take_write_failure(self) -> tuple:
-        """(step, error) of a background write that failed since the last call, or ()."""
+        """(step, error) of the oldest background write failure not yet reported, or (): one
+        per step, so two failures between steps are both reported."""
         self._check_write()
-        failed, self._write_failed = self._write_failed, ()
-        return failed
+        return self._write_failures.pop(0) if self._write_failures else ()
 
     def before_update(self) -> None:
         """Wait for a pinned-memory stage still copying the parameters the optimizer is
@@ -140,9 +153,12 @@ class TrainerCheckpoint:
         self.checkpointer.maybe_wait_for_staging()
 
     def close(self) -> None:
-        """Let the last write finish (the controller bounds this call), then stop."""
+        """Let the last write finish (the controller bounds this call), then stop. A write
+        that failed here has no later step to report it: it goes to this rank's log."""
         try:
-            self.checkpointer.maybe_wait_for_saving()
+            self._finish_write()
+            for step, error in self._write_failures:
+                print(f"WARNING: the checkpoint write of step {step} failed: {error}", flush=True)
         finally:
             self.checkpointer.close()
 

@@ -89,7 +89,7 @@ def test_torchtitan_checkpoint_saves_and_loads_the_training_state_and_leaves_hea
     assert result["tokens"][0] == result["tokens"][1] > 0
 
 
-def _write_to_a_full_disk(tmp: str, queue) -> None:
+def _trainer_on_a_full_disk(tmp: str):
     from pathlib import Path
 
     from conftest import one_rank_trainer_env
@@ -102,7 +102,32 @@ def _write_to_a_full_disk(tmp: str, queue) -> None:
     lighthouse = one_rank_trainer_env()
     job = load_job(["replicas=1", "procs_per_replica=1", "steps=100", "faults=none"])
     spec = CheckpointSpec(folder=str(Path(tmp) / "disk" / "checkpoints"), async_mode="async", keep=2)
-    trainer = GroupTrainer(TrainerSpec.from_job(job.config, 0, str(Path(tmp) / "dump"), "cpu", checkpoint=spec))
+    return lighthouse, GroupTrainer(TrainerSpec.from_job(job.config, 0, str(Path(tmp) / "dump"), "cpu", checkpoint=spec))
+
+
+def _reports_of_failed_writes(trainer, wanted: int) -> list:
+    reports, deadline = [], time.monotonic() + 60  # the writes run in a thread of their own
+    while len(reports) < wanted and time.monotonic() < deadline:
+        r = trainer.step()
+        if r.write_failed:
+            reports.append(list(r.write_failed))
+    return reports
+
+
+def _save_while_the_last_write_is_failing(tmp: str, queue) -> None:
+    lighthouse, trainer = _trainer_on_a_full_disk(tmp)
+    step = trainer.step().step
+    saves = [trainer.save_checkpoint(step)]
+    in_flight = not trainer.checkpoint.checkpointer.save_future.done()
+    saves.append(trainer.save_checkpoint(step))  # waits for the first write, which fails
+    reports = _reports_of_failed_writes(trainer, 2)
+    queue.put({"saves": saves, "reports": reports, "in_flight": in_flight})
+    trainer.close()
+    lighthouse.shutdown()
+
+
+def _write_to_a_full_disk(tmp: str, queue) -> None:
+    lighthouse, trainer = _trainer_on_a_full_disk(tmp)
     saves, reports = [], []
     for _ in range(2):
         saves.append(trainer.save_checkpoint(trainer.step().step))
@@ -127,4 +152,16 @@ def test_a_background_write_that_fails_is_reported_by_the_next_steps_and_does_no
     assert [s["error"] for s in saves] == [None, None], saves  # staged; the second not poisoned by the first
     assert [step for step, _ in reports] == [s["step"] for s in saves], (reports, saves)
     # ENOSPC, or torch's serializer tripping over the short write first
+    assert all(error.startswith("CheckpointException") for _, error in reports), reports
+
+
+def test_a_save_that_waits_for_a_failing_write_reports_that_write_and_still_saves(tmp_path):
+    # TorchTitan's save waits for the write before it and re-raises its failure: DCP's
+    # CheckpointException, a BaseException, which aborted the ReplicaActor (the group failed).
+    with small_disk(tmp_path / "disk"):
+        result = in_fresh_interpreter(_save_while_the_last_write_is_failing, tmp_path)
+    saves, reports = result["saves"], result["reports"]
+    assert result["in_flight"], "the first write had already ended: this run did not test the wait"
+    assert [s["error"] for s in saves] == [None, None], saves
+    assert [step for step, _ in reports] == [s["step"] for s in saves], (reports, saves)
     assert all(error.startswith("CheckpointException") for _, error in reports), reports
