@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from monarch_sky.faults import Fault, FaultSpecError, check_faults, parse_faults
+from monarch_sky.faults import CONTROLLER, Fault, FaultSpecError, check_faults, parse_faults
 from monarch_sky.recipes import RECIPES
 from monarch_sky.validation import ConfigError, validate, validate_faults
 
@@ -116,7 +116,7 @@ class JobConfig:
     hosts_per_replica: int = 1  # hosts one replica group spans (FSDP across them)
     steps: int = 100  # committed training steps to reach
     seed: int = 0  # model init and data order
-    faults: str = ""  # KIND@STEP:REPLICA,... (kill segfault comms hang stop host), none, or auto (a kill at 40%)
+    faults: str = ""  # KIND@STEP:REPLICA,... (kill segfault comms hang stop host), controller@STEP, none, or auto (a kill at 40%)
     run_dir: str = "runs"  # run records go to <run_dir>/<run_id>/
     run_id: Optional[str] = None  # None: <recipe>-<time>-<hex>; an existing one resumes that run
     training: TrainingSettings = field(default_factory=TrainingSettings)
@@ -183,9 +183,10 @@ def load_job(overrides: list[str], config_file: str | None = None) -> Job:
         check_faults(faults, config.replicas, config.steps)
     except FaultSpecError as e:
         raise ConfigError(f"faults: {e}") from None
-    if faults and config.replicas == 1:
+    at_groups = [f for f in faults if f.kind != CONTROLLER]
+    if at_groups and config.replicas == 1:
         raise ConfigError(
-            f"faults: {','.join(map(str, faults))} with replicas=1 leaves nobody to heal from; "
+            f"faults: {','.join(map(str, at_groups))} with replicas=1 leaves nobody to heal from; "
             "use replicas>=2 or faults=none"
         )
     validate_faults(config, faults)

@@ -9,6 +9,11 @@ kills replica 1 at step 20, then takes down the host of its new generation while
 heals from a peer (its first step back, before it has committed with the others). Each
 `@rejoin` fault fires at one rejoin of its replica, in order, so `kill@rejoin:1` twice more
 fails three generations in a row. The syntax is stable: other tooling writes it.
+
+`controller@STEP` (no replica) SIGKILLs the controller itself once the run reaches STEP; its
+hosts and trainers live on, as when the controller's node dies. Running the same run_id again
+resumes from the newest checkpoint. Each scheduled fault fires once per run id: a restarted
+controller skips those an earlier one fired (read from the run record).
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ KINDS = {
     "stop": "one trainer process is frozen (SIGSTOP), like a GPU hang or a swapped-out host",
     "host": "loss of the replica's whole host (its worker loop and every process on it)",
 }
+CONTROLLER = "controller"  # not a replica's fault: `controller@STEP`, and never drawn by chaos
+CONTROLLER_KIND = "SIGKILL of the controller (hosts and trainers live on); the run resumes when run again"
 PROCESS_KINDS = ("kill", "segfault", "comms", "hang", "stop")  # injected by the FaultActor inside the group
 # Recovery phases a fault can aim at in place of a step.
 REJOIN = "rejoin"
@@ -38,10 +45,12 @@ class FaultSpecError(ValueError):
 class Fault:
     kind: str
     step: int  # the run step it is due at; for a phase fault, the step it fired at (0 before)
-    replica: int
+    replica: int | None  # None: the controller
     during: str = ""  # a recovery phase (PHASES) to aim at instead of a step
 
     def __str__(self) -> str:
+        if self.kind == CONTROLLER:
+            return f"{CONTROLLER}@{self.step}"
         return f"{self.kind}@{self.during or self.step}:{self.replica}"
 
 
@@ -55,13 +64,15 @@ def parse_faults(spec: str | None) -> list[Fault]:
 
 
 def _parse_one(text: str) -> Fault:
+    if text.startswith(f"{CONTROLLER}@"):
+        return _parse_controller(text)
     usage = f"'{text}' is not KIND@STEP:REPLICA (for example kill@20:1, or kill@rejoin:1)"
     kind, at, rest = text.partition("@")
     step, colon, replica = rest.partition(":")
     if not (at and colon and kind and step and replica):
         raise FaultSpecError(usage)
     if kind not in KINDS:
-        raise FaultSpecError(f"unknown fault kind '{kind}' in '{text}'; allowed: {', '.join(KINDS)}")
+        raise FaultSpecError(f"unknown fault kind '{kind}' in '{text}'; allowed: {', '.join(KINDS)}, {CONTROLLER}")
     during = step if step in PHASES else ""
     try:
         step_n, replica_n = 0 if during else int(step), int(replica)
@@ -75,9 +86,17 @@ def _parse_one(text: str) -> Fault:
     return Fault(kind, step_n, replica_n, during)
 
 
+def _parse_controller(text: str) -> Fault:
+    step = text.partition("@")[2]
+    if not step.isdigit() or int(step) < 1:
+        raise FaultSpecError(f"'{text}' is not {CONTROLLER}@STEP with STEP >= 1 (for example {CONTROLLER}@40; "
+                             "it takes no replica)")
+    return Fault(CONTROLLER, int(step), None)
+
+
 def check_faults(faults: list[Fault], replicas: int, steps: int) -> None:
     for fault in faults:
-        if fault.replica >= replicas:
+        if fault.replica is not None and fault.replica >= replicas:
             raise FaultSpecError(
                 f"fault '{fault}' targets replica {fault.replica}, but replicas are "
                 f"0..{replicas - 1} (replicas={replicas})"

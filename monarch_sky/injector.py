@@ -9,12 +9,15 @@ the injection.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import signal
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
-from monarch_sky.faults import PROCESS_KINDS, REJOIN, Fault
+from monarch_sky.faults import CONTROLLER, PROCESS_KINDS, REJOIN, Fault
 from monarch_sky.step_result import HealInfo, StepResult
 
 
@@ -75,8 +78,9 @@ class FaultRecord:
 
 
 class FaultInjector:
-    def __init__(self, faults: list[Fault], seed: int, ranks_per_replica: int, record, display, tracker):
-        self.pending = list(faults)
+    def __init__(self, faults: list[Fault], seed: int, ranks_per_replica: int, record, display, tracker,
+                 fired_before: list[str] = ()):
+        self.pending = once_per_run(faults, fired_before)
         self.records: list[FaultRecord] = []
         self.rng = random.Random(seed)
         self.ranks = ranks_per_replica
@@ -97,9 +101,21 @@ class FaultInjector:
             share = 0.5
             if fault.during:
                 fault, share = Fault(fault.kind, run_step, fault.replica, fault.during), 0.25
-            self.inject(fault, group, kill_host, delay_s=share * step_seconds, run_step=run_step)
+            self.inject(fault, group, kill_host, delay_s=share * step_seconds, run_step=run_step, scheduled=True)
 
-    def inject(self, fault: Fault, group, kill_host: Callable[[Any], None], delay_s: float, run_step: int) -> None:
+    def fire_controller(self, run_step: int, step_seconds: float, resume_hint: str) -> None:
+        """SIGKILL this controller inside the step that reaches a `controller@STEP` fault (its
+        hosts and trainers live on, as when the controller's node dies)."""
+        due = [f for f in self.pending if f.kind == CONTROLLER and run_step >= f.step][:1]
+        for fault in due:
+            self.pending.remove(fault)
+            self.record.event("fault_injected", kind=CONTROLLER, replica=None, rank=None, step=run_step,
+                              during=None, scheduled=str(fault))
+            self.display.line(f"[fault] {CONTROLLER} -> SIGKILL of this controller at step {run_step}; {resume_hint}")
+            asyncio.get_running_loop().call_later(0.5 * step_seconds, os.kill, os.getpid(), signal.SIGKILL)
+
+    def inject(self, fault: Fault, group, kill_host: Callable[[Any], None], delay_s: float, run_step: int,
+               scheduled: bool = False) -> None:
         if fault.kind in PROCESS_KINDS:
             rank = self.rng.randrange(self.ranks)
             group.inject(fault.kind, rank, delay_s)
@@ -112,7 +128,7 @@ class FaultInjector:
             target = f"replica {fault.replica}'s host {host.name}"
         self.records.append(FaultRecord(fault, rank, time.monotonic() + delay_s, group.generation))
         self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step,
-                          during=fault.during or None)
+                          during=fault.during or None, scheduled=str(fault) if scheduled else None)
         during = f" (during its {fault.during})" if fault.during else ""
         self.display.line(f"[fault] {fault.kind} -> {target} at step {run_step}{during}")
 
@@ -236,6 +252,19 @@ class FaultInjector:
 
     def recovered(self) -> int:
         return sum(r.rejoined_at is not None for r in self.records)
+
+
+def once_per_run(faults: list[Fault], fired_before: list[str]) -> list[Fault]:
+    """The scheduled faults an earlier controller of this run did not fire (`fired_before`:
+    their specs, one entry per firing), so that a restart does not fire one twice."""
+    left = Counter(fired_before)
+    pending = []
+    for fault in faults:
+        if left[str(fault)] > 0:
+            left[str(fault)] -= 1
+        else:
+            pending.append(fault)
+    return pending
 
 
 def chaos_draws(every_s: float, kinds, seed: int, replicas: int) -> Iterator[tuple[float, str, int]]:

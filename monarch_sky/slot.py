@@ -176,8 +176,10 @@ class Slot:
         # `faults=` aims at a step, or at a new generation's first step back (`@rejoin`).
         first_back = self.state is SlotState.REJOINING and self.step_calls == 0
         self.step_calls += 1
-        self.ctx.injector.fire_due(self.index, self.ctx.ledger.run_step, group, self.kill_host,
-                                   self.ctx.ledger.step_seconds, rejoining=first_back)
+        injector, ledger = self.ctx.injector, self.ctx.ledger
+        injector.fire_due(self.index, ledger.run_step, group, self.kill_host, ledger.step_seconds, rejoining=first_back)
+        injector.fire_controller(ledger.run_step, ledger.step_seconds,
+                                 f"run it again with run_id={self.ctx.cfg.run_id} to resume from the newest checkpoint")
 
     async def _timed(self, call, issued: float):
         """Await a step call, letting the hang check see how long it has been out."""

@@ -91,6 +91,7 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
     return {
         "last_step": max(steps, default=0),
         "faults_injected": sum(e.get("event") == "fault_injected" for e in events),
+        "faults_fired": [e["scheduled"] for e in events if e.get("event") == "fault_injected" and e.get("scheduled")],
         "ended": ended or "controller lost",
     }
 

@@ -12,7 +12,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from monarch_sky.faults import KINDS, Fault
+from monarch_sky.faults import CONTROLLER, KINDS, Fault
 
 
 class ConfigError(ValueError):
@@ -202,6 +202,10 @@ def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
         raise ConfigError(
             f"faults: host faults can only be injected with hosts.provider=local, not {config.hosts.provider}"
         )
+    killing = [str(f) for f in faults if f.kind == CONTROLLER]
+    if killing and config.checkpoint.every_min <= 0:
+        raise ConfigError(f"faults: {killing[0]} kills the controller, and without checkpoints its restart would "
+                          "train from step 0; set checkpoint.every_min (e.g. 0.5) or drop the fault")
     chaos = config.chaos
     stepped = {f.replica for f in faults if not f.during}  # replicas a step fault makes fail
     for fault in faults:

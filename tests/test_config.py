@@ -24,6 +24,9 @@ BAD = [
     (["replicas=2", "faults=kill@20:2"], ["faults", "replica 2", "0..1"]),
     (["steps=30", "faults=kill@40:1"], ["faults", "step 40", "steps=30"]),
     (["replicas=2", "faults=kill@rejoin:1"], ["faults", "kill@rejoin:1", "nothing makes it fail", "chaos.every_s"]),
+    (["faults=controller@20:1"], ["faults", "controller@STEP", "no replica"]),
+    (["replicas=2", "faults=controller@20"], ["faults", "controller@20", "checkpoint.every_min"]),
+    (["chaos.every_s=5", "chaos.kinds=[kill,controller]"], ["chaos.kinds", "controller", "kill"]),
     (["ft.mode=async"], ["ft.mode", "step", "diloco"]),
     (["ft.mode=diloco", "steps=25", "ft.sync_steps=10"], ["ft.sync_steps", "multiple"]),
     (["ft.min_replicas=4"], ["ft.min_replicas", "replicas=3"]),
@@ -140,7 +143,8 @@ def test_fault_spec_round_trips_and_sorts_by_step():
 
 
 @pytest.mark.parametrize("spec", ["kill", "kill@", "kill@1:", "@1:1", "kill@0:1", "kill@1:-1", "kill@1:1:1",
-                                  "kill@rejoin:-1", "kill@heal:1", "meteor@rejoin:1"])
+                                  "kill@rejoin:-1", "kill@heal:1", "meteor@rejoin:1", "controller@0",
+                                  "controller@rejoin", "controller"])
 def test_malformed_fault_specs_raise(spec):
     with pytest.raises(FaultSpecError):
         parse_faults(spec)
@@ -151,6 +155,12 @@ def test_a_compound_fault_aims_at_the_next_rejoin_and_round_trips():
     assert faults == [Fault("kill", 20, 1), Fault("host", 0, 1, "rejoin"), Fault("kill", 0, 1, "rejoin")]
     assert ",".join(map(str, faults)) == "kill@20:1,host@rejoin:1,kill@rejoin:1", "phase faults keep their order"
     assert load_job(["replicas=2", "steps=50", "chaos.every_s=5", "faults=kill@rejoin:0"]).faults[0].during == "rejoin"
+
+
+def test_a_controller_fault_takes_no_replica_and_may_run_on_one_group():
+    job = load_job(["replicas=1", "steps=50", "checkpoint.every_min=0.5", "faults=controller@30,controller@10"])
+    assert job.faults == [Fault("controller", 10, None), Fault("controller", 30, None)]
+    assert ",".join(map(str, job.faults)) == "controller@10,controller@30"
 
 
 def test_config_error_is_a_value_error_with_the_field():

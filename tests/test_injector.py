@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from monarch_sky.faults import Fault
-from monarch_sky.injector import FIRST_HEAL_S, FaultInjector, FaultRecord, too_late
+from monarch_sky.faults import Fault, parse_faults
+from monarch_sky.injector import FIRST_HEAL_S, FaultInjector, FaultRecord, once_per_run, too_late
 
 
 class Quiet:
@@ -60,3 +60,10 @@ def test_a_rejoin_heals_the_faults_of_earlier_generations_not_one_aimed_at_itsel
     inj.records += [earlier, at_heal]
     assert inj.rejoined(1, generation=1, source="peer", now=105.9) == [earlier]
     assert inj.open_faults(1) == [at_heal], "its death is still a planned failure, not an unplanned one"
+
+
+def test_a_restarted_controller_skips_each_scheduled_fault_an_earlier_one_fired_and_only_as_often():
+    faults = parse_faults("kill@5:1,controller@9,kill@rejoin:1,kill@rejoin:1,host@20:0")
+    fired = ["kill@5:1", "kill@rejoin:1", "controller@9"]
+    assert once_per_run(faults, fired) == parse_faults("kill@rejoin:1,host@20:0")
+    assert once_per_run(faults, []) == faults
