@@ -68,20 +68,23 @@ async def wait_for_survivors_commit(ctx: RunContext, slot) -> None:
 
 
 def trained_unreported(ctx: RunContext, slot, member: str) -> int:
-    """Steps that the slot's failed generation trained but never reported: 1 if the others
-    committed the step after its last answer in a quorum that counted it, else 0.
+    """Steps that the slot's failed generation trained but never reported: those up to the
+    commit after its last answer, if the others made that commit in a quorum that counted it.
 
     A group that dies after its step's commit and before its answer comes back has its
     gradient in everyone's weights, so that step's batches were trained. The others' commit
     is the truth: a group that died before its gradient was all-reduced breaks their
-    all-reduce, and they commit that step again without it. `member` is the failed
-    generation's quorum id; asked after `wait_for_survivors_commit`, so the others' commit
-    is in. DiLoCo keeps a group's data position at its syncs: not handled here.
+    all-reduce, and they commit that step again without it. DiLoCo keeps a group's data
+    position at its syncs: a sync that counted it took its whole interval's pseudo-gradient,
+    so the interval's batches were trained. `member` is the failed generation's quorum id;
+    asked after `wait_for_survivors_commit`, so the others' commit is in.
     """
-    if ctx.cfg.ft.mode == "diloco" or not member or member not in ctx.ledger.quorums.get(slot.step + 1, ()):
+    interval = commit_slack(ctx)  # 1 step, or DiLoCo's sync interval
+    unreported = (slot.step // interval + 1) * interval
+    if not member or member not in ctx.ledger.quorums.get(unreported, ()):
         return 0
-    ctx.record.event("trained_unreported", replica=slot.index, step=slot.step + 1)
-    return 1
+    ctx.record.event("trained_unreported", replica=slot.index, step=unreported)
+    return interval
 
 
 class Behind(enum.Enum):

@@ -173,9 +173,9 @@ class GroupTrainer:
         trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
         synced = self._decision is True
         member, quorum = self._quorum.take()
+        committed = self._account(self._decision)  # before the hook: DiLoCo's progress counts the sync
         if synced and not self._rejoining:
             test_hooks.die_after_commit(self.spec.replica, self._rank, self.progress(), self._data.keep)
-        committed = self._account(self._decision)
         if committed:
             trainer.lr_schedulers.step()
         self._align_schedule()

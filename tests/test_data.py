@@ -70,3 +70,25 @@ def test_a_group_that_died_after_its_commit_does_not_train_that_steps_batches_ag
     rejoined = [e for e in run.events if e["event"] == "replica_rejoined"]
     assert [(e["replica"], e["recovered_from"]) for e in rejoined] == [(1, "peer")]
     assert_neither_replayed_nor_skipped(seen, clean_batches)
+
+
+DILOCO = ("ft.mode=diloco", "ft.sync_steps=5")
+
+
+@pytest.fixture(scope="module")
+def clean_diloco_batches(tmp_path_factory) -> dict[str, list[str]]:
+    return run_logging_batches(tmp_path_factory.mktemp("clean-diloco"), *DILOCO, "faults=none")[1]
+
+
+def test_a_diloco_group_that_died_after_its_sync_does_not_train_that_intervals_batches_again(
+        tmp_path, clean_diloco_batches):
+    # DiLoCo keeps a group's data position at its syncs. Replica 1 dies right after the sync
+    # at step 10 committed: its pseudo-gradient of steps 6-10 is in everyone's weights.
+    run, seen = run_logging_batches(tmp_path, *DILOCO, "faults=none",
+                                    env={"MONARCH_SKY_TEST_DIE_AFTER_COMMIT": "1:10"})
+    [failure] = run.summary["unplanned_failures"]
+    assert failure["replica"] == 1 and failure["step"] == 9, failure
+    assert [(e["replica"], e["step"]) for e in run.events if e["event"] == "trained_unreported"] == [(1, 10)]
+    rejoined = [e for e in run.events if e["event"] == "replica_rejoined"]
+    assert [(e["replica"], e["recovered_from"]) for e in rejoined] == [(1, "peer")]
+    assert_neither_replayed_nor_skipped(seen, clean_diloco_batches)
