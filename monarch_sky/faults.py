@@ -30,7 +30,6 @@ KINDS = {
     "host": "loss of the replica's whole host (its worker loop and every process on it)",
 }
 CONTROLLER = "controller"  # not a replica's fault: `controller@STEP`, and never drawn by chaos
-CONTROLLER_KIND = "SIGKILL of the controller (hosts and trainers live on); the run resumes when run again"
 PROCESS_KINDS = ("kill", "segfault", "comms", "hang", "stop")  # injected by the FaultActor inside the group
 # Recovery phases a fault can aim at in place of a step.
 REJOIN = "rejoin"
