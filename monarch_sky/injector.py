@@ -51,6 +51,7 @@ class FaultRecord:
     survivors_pause_s: float | None = None
     pausing: bool = False
     host_replaced: dict | None = None  # a lost host's replacement: from the spare pool or not, how old
+    quiet_commits: int = 0  # a comms fault's group: commits begun after it with no step failed
 
 
     def seconds(self, at: float | None) -> float | None:
@@ -238,7 +239,8 @@ class FaultInjector:
         """The group a fault hit answered without a respawn (a comms fault TorchFT
         reconfigures around): its first failed step after the fault is the detection, its
         next cross-group commit (a step begun after the fault) the recovery. A fault that
-        failed no step stays open. Returns the faults it recovered from."""
+        failed no step stays open, except a comms fault absorbed by a reconfiguration
+        (`_absorbed`). Returns the faults it recovered from."""
         recovered = []
         for rec in self.open_faults(r.replica):
             if rec.generation != generation or now < rec.injected_at:
@@ -248,7 +250,22 @@ class FaultInjector:
             elif r.synced and rec.detected_at is not None and issued >= rec.injected_at:
                 rec.rejoined_at, rec.recovered_from = now, "in place"
                 recovered.append(rec)
+            elif r.synced and rec.fault.kind == "comms" and issued >= rec.injected_at:
+                self._absorbed(rec, now)
         return recovered
+
+    def _absorbed(self, rec: FaultRecord, now: float) -> None:
+        """A comms abort that fails no step was absorbed: a quorum change made TorchFT replace
+        the aborted process group before a collective used it (seen when another group failed
+        just before). Two commits begun after it: an abort that lands fails the first
+        collective after it, so by the second it has landed or never will."""
+        rec.quiet_commits += 1
+        if rec.quiet_commits < 2:
+            return
+        rec.rejoined_at, rec.recovered_from = now, "in place"
+        self.record.event("fault_absorbed", kind=rec.fault.kind, replica=rec.fault.replica, seconds=rec.seconds(now))
+        self.display.line(f"[replica {rec.fault.replica}] the {rec.fault.kind} fault failed no step: TorchFT "
+                          "replaced the aborted process group at a quorum change before it was used")
 
     def recovered(self) -> int:
         return sum(r.rejoined_at is not None for r in self.records)

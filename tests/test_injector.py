@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from monarch_sky.faults import Fault, parse_faults
+from monarch_sky.step_result import StepResult
 from monarch_sky.injector import FIRST_HEAL_S, FaultInjector, FaultRecord, once_per_run, too_late
 
 
@@ -67,3 +68,27 @@ def test_a_restarted_controller_skips_each_scheduled_fault_an_earlier_one_fired_
     fired = ["kill@5:1", "kill@rejoin:1", "controller@9"]
     assert once_per_run(faults, fired) == parse_faults("kill@rejoin:1,host@20:0")
     assert once_per_run(faults, []) == faults
+
+
+def step(replica: int, committed: bool) -> StepResult:
+    return StepResult(replica=replica, step=1, committed=committed, synced=committed, loss=1.0, tokens=1,
+                      participants=2, healed=False, healed_now=False, seconds=0.3)
+
+
+def test_a_comms_fault_that_fails_no_step_is_absorbed_after_two_quiet_commits_and_one_that_fails_is_detected():
+    # The `make chaos` case: another group's failure changed the quorum, and TorchFT replaced
+    # the aborted process group before any collective used it: the fault stayed open forever.
+    inj = injector()
+    absorbed = FaultRecord(Fault("comms", 10, 1), 0, injected_at=100.0, generation=0)
+    inj.records.append(absorbed)
+    assert inj.same_generation_result(step(1, True), 0, issued=99.9, now=100.2) == []  # begun before it
+    inj.same_generation_result(step(1, True), 0, issued=100.3, now=100.6)
+    assert absorbed.recovered_from is None, "one quiet commit: the abort may not have landed yet"
+    inj.same_generation_result(step(1, True), 0, issued=100.7, now=101.0)
+    assert (absorbed.recovered_from, absorbed.detected_at, absorbed.rejoined_at) == ("in place", None, 101.0)
+
+    landed = FaultRecord(Fault("comms", 20, 2), 0, injected_at=200.0, generation=0)
+    inj.records.append(landed)
+    inj.same_generation_result(step(2, False), 0, issued=200.1, now=200.4)
+    assert inj.same_generation_result(step(2, True), 0, issued=200.5, now=200.9) == [landed]
+    assert (landed.detected_at, landed.recovered_from) == (200.4, "in place")
