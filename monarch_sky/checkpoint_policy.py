@@ -30,6 +30,7 @@ from omegaconf import OmegaConf
 from monarch_sky import checkpoints
 from monarch_sky.checkpoints import CheckpointSpec, Found
 from monarch_sky.context import off_loop
+from monarch_sky.slot_state import SlotState
 
 HISTORY = 8  # steps of data positions kept per group, to note each group's at the saved step
 
@@ -243,8 +244,6 @@ class CheckpointPolicy:
             await self._save(slot, r.step)
 
     def _due(self, slot, r) -> bool:
-        from monarch_sky.slot import SlotState
-
         ctx = self.ctx
         if not self.enabled or ctx.finishing or self._last_at is None or not r.synced:
             return False
@@ -252,7 +251,7 @@ class CheckpointPolicy:
             return False
         if r.step <= max((s["step"] for s in self.saved), default=self.resume.step if self.resume else 0):
             return False
-        saver = next((s for s in ctx.slots if s.state is SlotState.TRAINING and s.group is not None), None)
+        saver = next((s for s in ctx.slots if s.state is SlotState.TRAINING), None)
         return saver is slot
 
     async def _save(self, slot, step: int) -> None:
@@ -285,8 +284,6 @@ class CheckpointPolicy:
 
     async def _write_note(self, step: int, saver: int) -> None:
         """Note every group's data position at `step` once each training group reached it."""
-        from monarch_sky.slot import SlotState
-
         ctx = self.ctx
         deadline = time.monotonic() + ctx.cfg.timeouts.step_s
         while time.monotonic() < deadline and not ctx.finishing:

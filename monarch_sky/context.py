@@ -47,6 +47,7 @@ class RunContext:
     background: set[asyncio.Task] = field(default_factory=set)
     finishing: bool = False  # some group reached the target: no more respawns
     last_failure_at: float = 0.0  # when the latest failure of any group was detected
+    loop_thread: int | None = None  # the controller's event loop's: the only one that changes a slot
     start_time: float = field(default_factory=time.monotonic)
 
     def phase(self, text: str) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import threading
 import time
 from typing import Any
 
@@ -27,7 +28,8 @@ from monarch_sky.injector import FaultInjector
 from monarch_sky.ledger import StatusCounts, StepLedger
 from monarch_sky.progress import Display
 from monarch_sky.shutdown import stop_everything
-from monarch_sky.slot import Slot, SlotState
+from monarch_sky.slot import Slot
+from monarch_sky.slot_state import SlotState
 from monarch_sky.spares import SparePool
 from monarch_sky.summary import build_summary
 from monarch_sky.tracking import RunRecord, Tracker
@@ -66,6 +68,7 @@ class Controller:
     async def run(self) -> dict[str, Any]:
         ctx = self.ctx
         loop = asyncio.get_running_loop()
+        ctx.loop_thread = threading.get_ident()
         self._budget_heals()
         try:
             self._start_lighthouse()
@@ -106,7 +109,7 @@ class Controller:
         return (self.ctx.cfg.steps - self.ctx.ledger.run_step) * self.ctx.ledger.median_step_s()
 
     def _training(self) -> list[Slot]:
-        return [s for s in self.slots if s.state is SlotState.TRAINING and s.group is not None]
+        return [s for s in self.slots if s.state is SlotState.TRAINING]
 
     def _recovering(self) -> list[Slot]:
         """Slots whose next generation has not begun its first step back (its heal)."""
@@ -199,11 +202,13 @@ class Controller:
 
     def _settle(self, slot: Slot, task: asyncio.Task) -> None:
         """Say why a slot that did not finish the run ended."""
-        if slot.state in (SlotState.DONE, SlotState.LOST):
-            return
+        error = None
         if not task.cancelled() and task.exception() is not None:
             error = f"{type(task.exception()).__name__}: {task.exception()}"
             self.ctx.record.event("replica_error", replica=slot.index, error=error)
+        if slot.state in (SlotState.DONE, SlotState.LOST):
+            return
+        if error is not None:
             slot.lose(f"controller error: {error}")
         elif slot.state is SlotState.TRAINING:
             slot.lose(f"did not finish its last step within timeouts.stop_s={self.ctx.cfg.timeouts.stop_s:g}s")

@@ -22,14 +22,13 @@ import time
 
 from monarch_sky.checkpoint_policy import data_states
 from monarch_sky.context import RunContext
+from monarch_sky.slot_state import SlotState
 from monarch_sky.step_result import StepResult
 
 
 async def wait_for_next_sync(ctx: RunContext, slot) -> bool:
     """Wait until another training group's next step is a sync (or none trains); False if
     the run is finishing. Bounded by one sync interval of step timeouts."""
-    from monarch_sky.slot import SlotState
-
     every = ctx.cfg.ft.sync_steps
     deadline = time.monotonic() + every * ctx.cfg.timeouts.step_s
     while not ctx.finishing and time.monotonic() < deadline:
@@ -53,8 +52,6 @@ async def wait_for_survivors_commit(ctx: RunContext, slot) -> None:
     otherwise build while the other's survivors still regroup. DiLoCo groups commit
     locally between syncs and never wait for it.
     """
-    from monarch_sky.slot import SlotState
-
     if ctx.cfg.ft.mode == "diloco":
         return
     began = time.monotonic()
@@ -102,8 +99,6 @@ def holders(ctx: RunContext, slot) -> list:
     """The other groups holding the run's training state: training at the run's step, a new
     generation that healed at it (its step may not have committed: the holder it healed from
     died in that step), or one loaded from the checkpoint the run went back to."""
-    from monarch_sky.slot import SlotState
-
     oldest = ctx.ledger.run_step - commit_slack(ctx)
 
     def holds(s) -> bool:
@@ -132,8 +127,6 @@ def behind(ctx: RunContext, slot, r: StepResult) -> Behind:
 def another_coming_back(ctx: RunContext, slot) -> bool:
     """Another group is recovering: with no holder left it loads the checkpoint, and then
     `slot`'s generation heals from it (no need to rebuild this one to load it too)."""
-    from monarch_sky.slot import SlotState
-
     return any(s is not slot and s.state is SlotState.RECOVERING for s in ctx.slots)
 
 

@@ -1,7 +1,5 @@
-"""One replica group's place in the run: a small state machine over its generations.
-
-    STARTING -> TRAINING -> (failure) RECOVERING -> REJOINING -> TRAINING ... -> DONE
-                                           \\-> LOST (no restarts or host left)
+"""One replica group's place in the run: a state machine over its generations
+(`monarch_sky.slot_state`: its states, moves and invariants in one table; `enter` makes each move).
 
 `drive()` runs the group one step per call. When its generation fails (Monarch supervision,
 the host agent, the watchdog, or the step call itself said so) the slot recovers on its own:
@@ -14,7 +12,6 @@ generation, which heals from a peer. Whatever goes wrong in a recovery costs thi
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
 from typing import Any
 
@@ -25,17 +22,14 @@ from monarch_sky.detection import kill_on_hosts
 from monarch_sky.generations import Generations
 from monarch_sky.hosts import Host
 from monarch_sky.replica import GroupFailed, ReplicaGroup
+from monarch_sky.slot_state import SlotState, check_invariant, check_move, check_thread
 from monarch_sky.step_result import HealInfo, StepResult
 from monarch_sky.supervision import describe_error
 
 
-class SlotState(enum.Enum):
-    STARTING = "starting"
-    TRAINING = "training"
-    RECOVERING = "recovering"
-    REJOINING = "rejoining"  # a new generation trains but has not committed with the others yet
-    DONE = "done"
-    LOST = "lost"
+__all__ = ["Slot", "SlotState"]
+
+_KEEP = object()
 
 
 class Slot:
@@ -43,8 +37,8 @@ class Slot:
         self.ctx = ctx
         self.index = index
         self.gens = Generations(ctx, index, hosts, host_mesh)
-        self.group: ReplicaGroup | None = None  # the generation that trains
-        self.state = SlotState.STARTING
+        self.group: ReplicaGroup | None = None  # the generation that trains (attached); set only by `enter`
+        self.state = SlotState.STARTING  # set only by `enter`
         self.restarts = 0
         self.step = 0
         self.uncommitted = 0  # steps this slot's groups ran that TorchFT did not commit
@@ -72,11 +66,20 @@ class Slot:
     def active(self) -> bool:
         return self.state in (SlotState.TRAINING, SlotState.DONE)
 
+    def enter(self, state: SlotState, group=_KEEP) -> None:
+        """Move to `state` (attaching `group`, or None to detach), as the state table allows."""
+        check_thread(self.index, self.ctx.loop_thread)
+        check_move(self.index, self.state, state)
+        group = self.group if group is _KEEP else group
+        check_invariant(self.index, state, group is not None)
+        self.state, self.group = state, group
+
     # ---- bring-up ----------------------------------------------------------------
 
     async def activate(self, rejoining: bool, resume=None) -> bool:
         """Bring up a new generation that trains (loading the checkpoint `resume`, if given);
-        retries up to ft.max_restarts, on new hosts in place of any that died meanwhile."""
+        retries up to ft.max_restarts, on new hosts in place of any that died meanwhile.
+        The slot's first generation enters TRAINING, a later one REJOINING."""
         while True:
             began = time.monotonic()
             loading = resume or (None if rejoining else self.ctx.checkpoints.resume)  # a restart's: no `resume`
@@ -101,9 +104,10 @@ class Slot:
                 await self.gens.discard(group)
                 self.lose(refused)
                 return False
-            self.group, self.member, self.step_calls, self.heal = group, "", 0, None
+            self.member, self.step_calls, self.heal = "", 0, None
             if resume is not None:
                 rejoin.resume_from(self.ctx, self, resume)
+            self.enter(SlotState.TRAINING if self.state is SlotState.STARTING else SlotState.REJOINING, group)
             self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
@@ -128,8 +132,7 @@ class Slot:
         return f"the run finished before it rejoined{held_up}"
 
     def lose(self, reason: str) -> None:
-        self.state = SlotState.LOST
-        self.group = None
+        self.enter(SlotState.LOST, None)
         self.gens.give_back_hosts()
         self.ctx.lost.append({"replica": self.index, "reason": reason})
         self.ctx.record.event("replica_lost", replica=self.index, reason=reason)
@@ -138,9 +141,6 @@ class Slot:
     # ---- training ------------------------------------------------------------------
 
     async def drive(self) -> None:
-        if self.group is None:
-            return
-        self.state = SlotState.TRAINING
         while self.state not in (SlotState.DONE, SlotState.LOST):
             if self.ctx.finishing and self.state is SlotState.REJOINING:
                 await self.retire(self.unfinished())
@@ -158,7 +158,7 @@ class Slot:
                 await self.recover(describe_error(e))
             except Exception as e:  # a bug or an unexpected answer: this generation is done for
                 self.ctx.record.event("replica_error", replica=self.index, error=describe_error(e))
-                if self.group is not None:
+                if self.state in (SlotState.TRAINING, SlotState.REJOINING):  # DONE: it finished all the same
                     self.group.mark_failed(describe_error(e))
                     await self.recover(describe_error(e))
 
@@ -227,7 +227,7 @@ class Slot:
                 await self._rejoined(r, now)
             ctx.injector.survivor_committed(r, issued, ctx.cfg.replicas, now)
         if r.step >= ctx.cfg.steps:
-            self.state = SlotState.DONE
+            self.enter(SlotState.DONE)
             ctx.finishing = True
 
     async def _rejoined(self, r: StepResult, now: float) -> None:
@@ -241,7 +241,7 @@ class Slot:
                 self.state_lost = not rejoin.another_coming_back(self.ctx, self)
                 return
             rejoin.note_progress_lost(self.ctx, self, r.step)
-        self.state = SlotState.TRAINING
+        self.enter(SlotState.TRAINING)
         source = "checkpoint" if self.from_checkpoint is not None else "scratch"
         if r.healed and behind == rejoin.Behind.NO and not self.started_over:
             source = "peer"
@@ -266,6 +266,7 @@ class Slot:
 
     def on_failure(self, group: ReplicaGroup, reason: str, at: float) -> None:
         """Any detector's word that `group` broke; the first one counts."""
+        check_thread(self.index, self.ctx.loop_thread)
         if group is not self.group:  # a standby died: the next recovery spawns cold
             if group.failure is None:
                 group.mark_failed(reason)
@@ -300,7 +301,7 @@ class Slot:
         else:
             group.mark_failed(reason)
             group.detected = True  # its processes' exits are not news
-        self.state, self.group = SlotState.RECOVERING, None
+        self.enter(SlotState.RECOVERING, None)
         self.from_checkpoint, self.state_lost = None, False
         lost = await self._end_generation(group)
         if fault and not self.may_restart(reason):
@@ -343,7 +344,6 @@ class Slot:
         if self.ctx.finishing:
             await self.retire(self.unfinished())
             return
-        self.state = SlotState.REJOINING
         loaded = f", loaded the checkpoint at step {self.from_checkpoint}" if self.from_checkpoint is not None else ""
         self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}{loaded}, rejoining")
 
