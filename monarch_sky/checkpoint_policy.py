@@ -28,6 +28,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from monarch_sky import checkpoints
+from monarch_sky.checkpoint_loads import CheckpointLoads
 from monarch_sky.checkpoints import CheckpointSpec, Found
 from monarch_sky.context import off_loop
 from monarch_sky.slot_state import SlotState
@@ -134,6 +135,7 @@ class CheckpointPolicy:
         self.off_because: str | None = None  # why checkpoints were turned off although asked for
         self.probe: str | None = None
         self.unreadable: set[int] = set()  # the steps of checkpoints that failed to load, set aside
+        self.loads = CheckpointLoads(ctx.record)  # which group loads which checkpoint (one loaded is readable)
         if self.every_s > 0:
             try:
                 self.probe = str(checkpoints.write_probe(self.folder, ctx.cfg.run_id))

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from monarch_sky import checkpoints, rejoin
+from monarch_sky.checkpoint_loads import LoadFailure
 from monarch_sky.context import RunContext
 from monarch_sky.data_position import DataHandover
 from monarch_sky.detection import kill_on_hosts
@@ -83,22 +84,27 @@ class Slot:
         while True:
             began = time.monotonic()
             loading = resume or (None if rejoining else self.ctx.checkpoints.resume)  # a restart's: no `resume`
+            loads = self.ctx.checkpoints.loads
+            loads.begin(loading, self.index)
             try:
                 data = DataHandover(self.data_states, self.skip_steps) if rejoining else DataHandover()
                 group, warm, info = await self.gens.build(rejoining, data, resume)
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
-                unreadable = checkpoints.unreadable(str(e))
-                if loading is not None and unreadable and unreadable[0] == loading.step:
-                    older = await self.ctx.checkpoints.set_aside(loading, unreadable[1])  # a restart's resume too
+                verdict = await loads.failed(loading, self.index, str(e), self.ctx.cfg.timeouts.spawn_s)
+                if verdict is LoadFailure.UNREADABLE:
+                    older = await self.ctx.checkpoints.set_aside(loading, checkpoints.unreadable(str(e))[1])
                     if resume is not None:  # going back live: to the older one, or (none) from scratch
                         resume, rejoining = older, older is None
                     continue  # the checkpoint failed, not the group: no restart spent
+                if verdict is LoadFailure.LOADED_ELSEWHERE and resume is not None:
+                    resume, rejoining = None, True  # going back live: heal from the group that loaded it
                 if not self.may_restart(f"could not start: {reason}"):
                     return False
                 self.last_failure = await self.gens.move_off_dead_hosts() or self.last_failure
                 continue
+            loads.loaded(loading, self.index)
             refused = self.ctx.refuse_platform(info["platform"])
             if refused:  # the host will not change: no restarts
                 await self.gens.discard(group)

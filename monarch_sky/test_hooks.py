@@ -17,6 +17,7 @@ HEAL_PACE_ENV = "MONARCH_SKY_TEST_HEAL_PACE"
 HEAL_TIMEOUT_ENV = "MONARCH_SKY_TEST_HEAL_TIMEOUT_S"
 LEAK_ENV = "MONARCH_SKY_TEST_LEAK"
 DIE_AFTER_COMMIT_ENV = "MONARCH_SKY_TEST_DIE_AFTER_COMMIT"
+FAIL_A_LOAD_ENV = "MONARCH_SKY_TEST_FAIL_A_LOAD"
 
 
 def refuse_rejoin_commit() -> bool:
@@ -61,3 +62,13 @@ def die_after_commit(replica: int, rank: int, step: int, log_kept: Callable[[], 
     if os.environ.get(DIE_AFTER_COMMIT_ENV) == f"{replica}:{step}" and rank == 0:
         log_kept()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fail_a_load(replica: int) -> bool:
+    """`REPLICA:PATH`: that replica's first checkpoint load fails, as a flaky mount's would
+    (PATH, created then, marks it spent: the processes that load later are new ones)."""
+    wanted, _, marker = os.environ.get(FAIL_A_LOAD_ENV, "").partition(":")
+    if wanted != str(replica) or not marker or os.path.exists(marker):
+        return False
+    open(marker, "w").close()
+    return True

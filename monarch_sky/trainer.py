@@ -88,7 +88,7 @@ class GroupTrainer:
         self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
         # Before DiLoCo's context, which takes the (loaded) parameters as its originals.
         self.checkpoint, resumed_data = trainer_checkpoint.attach(
-            trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress
+            trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress, self.spec.replica
         )
         data_state = data.states[self._rank] if data.states else resumed_data
         self._context = contextlib.ExitStack()

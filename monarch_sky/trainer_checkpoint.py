@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint.api import CheckpointException
 
+from monarch_sky import test_hooks
 from monarch_sky.checkpoints import UNREADABLE, CheckpointSpec
 from monarch_sky.supervision import short_reason
 
@@ -90,11 +91,14 @@ class TrainerCheckpoint:
         # only TorchFTCheckpointManager fills (an empty dict otherwise): fill it now.
         self._optimizers.init_cache_state_dict()
 
-    def load(self, step: int) -> dict[str, Any]:
+    def load(self, step: int, fail: bool = False) -> dict[str, Any]:
         """Load the checkpoint at `step` into this rank; returns what was loaded. Any failure
-        raises CheckpointUnreadable: the controller then sets it aside and tries an older one."""
+        raises CheckpointUnreadable: the controller then sets it aside and tries an older one,
+        unless another group loaded it (`fail`: a failure on purpose, for tests)."""
         began = time.perf_counter()
         try:
+            if fail:
+                raise OSError(f"this load fails on purpose ({test_hooks.FAIL_A_LOAD_ENV})")
             self._refresh_optimizer_view()
             if not self.checkpointer.load(step=step):
                 raise FileNotFoundError(f"no checkpoint at step {step} in {self.checkpointer.folder}")
@@ -172,7 +176,7 @@ def save(checkpoint: TrainerCheckpoint | None, step: int, progress: int) -> dict
 
 
 def attach(
-    trainer, manager, spec: CheckpointSpec | None, rejoining: bool, progress: Callable[[], int]
+    trainer, manager, spec: CheckpointSpec | None, rejoining: bool, progress: Callable[[], int], replica: int
 ) -> tuple[TrainerCheckpoint | None, dict | None]:
     """This rank's checkpointer (None when the run has none) and, when the run resumes and
     this group is not rejoining, the checkpoint loaded and this rank's data position."""
@@ -181,7 +185,7 @@ def attach(
     checkpoint = TrainerCheckpoint(trainer, manager, spec, progress)
     if spec.resume_step is None or rejoining:
         return checkpoint, None
-    checkpoint.load(spec.resume_step)
+    checkpoint.load(spec.resume_step, fail=test_hooks.fail_a_load(replica))
     import torch
 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0

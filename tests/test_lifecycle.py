@@ -14,7 +14,7 @@ import pytest
 
 from conftest import REPO, cli_env, leftovers, new_tag, small_disk, start, train, train_command, wait_for_event
 
-from monarch_sky import checkpoints
+from monarch_sky import checkpoints, test_hooks
 from monarch_sky.test_hooks import LEAK_ENV
 
 
@@ -181,6 +181,29 @@ def test_a_checkpoint_that_cannot_be_loaded_is_set_aside_and_the_run_resumes_fro
     assert set(s["scheduler_steps"].values()) == {60}
     assert len(set(s["final_param_digest"].values())) == 1, s["final_param_digest"]
     assert s["restarts"] == {"0": 0, "1": 0}, "an unreadable checkpoint cost a group a restart"
+    assert run.leftovers == []
+
+
+def test_a_checkpoint_one_group_fails_to_load_and_another_loads_is_kept_and_the_run_resumes_from_it(tmp_path):
+    # Replica 1's first load fails (a flaky mount), replica 0 loads the same checkpoint: it is
+    # readable, so it stays, the run goes on from it and replica 1 retries (one restart).
+    tag = new_tag()
+    args = ("replicas=2", "procs_per_replica=1", "steps=40", "faults=none", "ft.standby=false",
+            "checkpoint.every_min=0.03", "checkpoint.keep=3")
+    killed = kill_once_checkpointed(tmp_path, tag, *args, complete=2)
+    marker = tmp_path / "load-failed"
+    run = train(tmp_path, *args, tag=tag, env={test_hooks.FAIL_A_LOAD_ENV: f"1:{marker}"})
+    assert run.returncode == 0, run.output[-3000:]
+    assert marker.exists(), "the load never failed: the test proves nothing"
+    s, resumed = run.summary, run.summary["previous_controller"]["resumed_from_step"]
+    assert resumed >= killed["newest_at_kill"] > 0, s["previous_controller"]  # (a write can complete after the kill)
+    assert not [e for e in run.events if e["event"] == "checkpoint_unreadable"], "a checkpoint replica 0 loaded was set aside"
+    [failed] = [e for e in run.events if e["event"] == "checkpoint_load_failed_here"]
+    assert (failed["replica"], failed["step"], failed["loaded_by"]) == (1, resumed, [0]), failed
+    assert not (tmp_path / tag / "checkpoints" / f"unreadable-{resumed}").exists()
+    assert s["restarts"] == {"0": 0, "1": 1}
+    assert s["committed_steps"] == 40 and s["outcome"]["status"] == "ok", s["outcome"]
+    assert len(set(s["final_param_digest"].values())) == 1, s["final_param_digest"]
     assert run.leftovers == []
 
 
