@@ -99,10 +99,12 @@ def attempt_from_checkpoint(cfg) -> dict[str, Any] | None:
     moved to a new machine (a new pod), whose disk never held the run's record."""
     if cfg.checkpoint.every_min <= 0:
         return None
-    found = checkpoints.newest(checkpoints.folder_for(cfg))
+    folder = checkpoints.folder_for(cfg)
+    found = checkpoints.newest(folder)
     if found is None:
         return None
-    return {"last_step": found.step, "faults_injected": 0, "ended": "its record is not on this machine"}
+    return {"last_step": found.step, "faults_injected": 0, "ended": "its record is not on this machine",
+            "faults_fired": checkpoints.faults_fired(folder)}
 
 
 def restart_message(run_id: str, previous: dict[str, Any]) -> str:
@@ -145,6 +147,14 @@ class CheckpointPolicy:
     @property
     def enabled(self) -> bool:
         return self.every_s > 0 and self.off_because is None
+
+    def note_fault_fired(self, spec: str) -> None:
+        """Keep a fired scheduled fault beside the checkpoints (the run record may not survive)."""
+        if self.every_s > 0 and self.off_because is None:
+            try:
+                checkpoints.note_fault_fired(self.folder, spec)
+            except OSError as e:
+                self.ctx.record.event("fault_note_failed", spec=spec, reason=e.strerror)
 
     def check_seen(self, index: int, seen: bool | None) -> None:
         """A group's hosts said whether they see the controller's probe in the checkpoint

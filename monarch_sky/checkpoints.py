@@ -3,6 +3,8 @@
     <checkpoint folder>/step-<S>/          TorchTitan's DCP checkpoint of committed step S
                         .metadata          written by DCP last: the checkpoint is complete
                         monarch_sky.json   the controller's note: what the checkpoint lacks
+    <checkpoint folder>/faults-fired.jsonl the scheduled faults the run fired, for a restart
+                                           that has the checkpoints but not the run record
 
 The folder is `checkpoint.folder`, by default `<run_dir>/<run_id>/checkpoints` (on the
 cloud, `run_dir` on a bucket mounted on every node). The note holds what only the
@@ -27,6 +29,7 @@ NOTE = "monarch_sky.json"
 PROBE = ".seen-by-every-host"  # the controller writes it; each group says whether its hosts see it
 STEP_DIR = re.compile(r"step-(\d+)")
 UNREADABLE = "cannot load the checkpoint step-{step}"  # a trainer's load error says so (read back by `unreadable`)
+FAULTS_FIRED = "faults-fired.jsonl"
 SET_ASIDE = "unreadable-{step}"  # no "step-" in it: neither `newest` nor TorchTitan's purge sees it
 TARGET_SHARE = 0.01  # a checkpoint interval costs about this share of the throughput
 
@@ -82,6 +85,31 @@ def newest(folder: Path, skip: frozenset[int] = frozenset()) -> Found | None:
         if note.get("step") == step:
             return Found(step, path, note)
     return None
+
+
+def note_fault_fired(folder: Path, spec: str) -> None:
+    """Add a scheduled fault's spec to the run's list, on disk before the fault lands (a
+    `controller@STEP` fault kills the process that writes this)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / FAULTS_FIRED, "a") as f:
+        f.write(json.dumps(spec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def faults_fired(folder: Path) -> list[str]:
+    """The specs `note_fault_fired` wrote (a line cut short by a crash is skipped)."""
+    try:
+        lines = (folder / FAULTS_FIRED).read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    fired = []
+    for line in lines:
+        try:
+            fired.append(str(json.loads(line)))
+        except ValueError:
+            continue
+    return fired
 
 
 def unreadable(error: str) -> tuple[int, str] | None:

@@ -53,10 +53,11 @@ class Controller:
     ):
         cfg = job.config
         self.ctx = ctx = RunContext(cfg, provider, record, tracker, display, platform_mod.detect())
-        ctx.injector = FaultInjector(job.faults, cfg.seed, ranks_per_group(cfg), record, display, tracker,
-                                     fired_before=(previous_controller or {}).get("faults_fired", []))
-        ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
         ctx.checkpoints = CheckpointPolicy(ctx, resume, previous_controller)
+        ctx.injector = FaultInjector(job.faults, cfg.seed, ranks_per_group(cfg), record, display, tracker,
+                                     fired_before=(previous_controller or {}).get("faults_fired", []),
+                                     on_fired=ctx.checkpoints.note_fault_fired)
+        ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
         ctx.spares = SparePool(ctx)
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None

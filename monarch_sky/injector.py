@@ -80,8 +80,9 @@ class FaultRecord:
 
 class FaultInjector:
     def __init__(self, faults: list[Fault], seed: int, ranks_per_replica: int, record, display, tracker,
-                 fired_before: list[str] = ()):
+                 fired_before: list[str] = (), on_fired: Callable[[str], None] = lambda spec: None):
         self.pending = once_per_run(faults, fired_before)
+        self.on_fired = on_fired  # told each scheduled fault's spec as it fires (kept beside the checkpoints)
         self.records: list[FaultRecord] = []
         self.rng = random.Random(seed)
         self.ranks = ranks_per_replica
@@ -110,6 +111,7 @@ class FaultInjector:
         due = [f for f in self.pending if f.kind == CONTROLLER and run_step >= f.step][:1]
         for fault in due:
             self.pending.remove(fault)
+            self.on_fired(str(fault))
             self.record.event("fault_injected", kind=CONTROLLER, replica=None, rank=None, step=run_step,
                               during=None, scheduled=str(fault))
             self.display.line(f"[fault] {CONTROLLER} -> SIGKILL of this controller at step {run_step}; {resume_hint}")
@@ -128,6 +130,8 @@ class FaultInjector:
             asyncio.get_running_loop().call_later(delay_s, kill_host, host)
             target = f"replica {fault.replica}'s host {host.name}"
         self.records.append(FaultRecord(fault, rank, time.monotonic() + delay_s, group.generation))
+        if scheduled:
+            self.on_fired(str(fault))
         self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=rank, step=run_step,
                           during=fault.during or None, scheduled=str(fault) if scheduled else None)
         during = f" (during its {fault.during})" if fault.during else ""

@@ -55,6 +55,16 @@ def test_a_start_that_failed_on_a_checkpoint_says_which_step_from_anywhere_in_th
     assert checkpoints.unreadable("RuntimeError: no checkpoint at step 48") is None
 
 
+def test_the_faults_a_run_fired_are_read_back_from_its_checkpoint_folder_a_line_cut_short_skipped(tmp_path):
+    assert checkpoints.faults_fired(tmp_path) == []
+    for spec in ("kill@8:1", "controller@25"):
+        checkpoints.note_fault_fired(tmp_path / "run", spec)
+    with open(tmp_path / "run" / checkpoints.FAULTS_FIRED, "a") as f:
+        f.write('"host@3')  # the process died mid-write
+    assert checkpoints.faults_fired(tmp_path / "run") == ["kill@8:1", "controller@25"]
+    assert checkpoints.newest(tmp_path / "run") is None, "the list is no checkpoint"
+
+
 def test_no_checkpoint(tmp_path):
     assert checkpoints.newest(tmp_path / "absent") is None
     make_step(tmp_path, 3, complete=False, note={})
