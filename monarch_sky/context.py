@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from monarch_sky import hub_assets
+from monarch_sky import hub_assets, lighthouse_gate
 from monarch_sky.heal_wire import HEAL_SECRET_ENV
 from monarch_sky import platform as platform_mod
 from monarch_sky.hosts import Host
@@ -36,6 +36,7 @@ class RunContext:
     checkpoints: Any = None  # checkpoint_policy.CheckpointPolicy
     spares: Any = None  # spares.SparePool
     lighthouse_address: str = ""
+    lighthouse_gated: bool = False  # behind lighthouse_gate's mutual TLS: trainers dial it through a door
     heal_transport: str = ""  # the one every trainer of the run uses (`ft.heal_transport` resolved)
     replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")
     cross_group: list[str] = field(default_factory=list)  # how groups reached each other (platform.cross_group_link)
@@ -93,6 +94,7 @@ class RunContext:
         advertise = {platform_mod.ADVERTISE_ENV: hosts[0].ip} if len(hosts) == 1 else {}
         return {
             "TORCHFT_LIGHTHOUSE": self.lighthouse_address,
+            **({lighthouse_gate.GATED_ENV: "1"} if self.lighthouse_gated else {}),
             **advertise,
             "PYTHONUNBUFFERED": "1",
             **trainer_env(self.cfg),  # the trainer sets its CPU threads itself (platform.limit_cpu_threads)

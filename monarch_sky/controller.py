@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from monarch_sky import platform as platform_mod
-from monarch_sky import heal_budget, supervision, tls
+from monarch_sky import heal_budget, lighthouse_gate, supervision, tls
 from monarch_sky.checkpoint_policy import CheckpointPolicy
 from monarch_sky.config import Job, ranks_per_group
 from monarch_sky.context import RunContext, off_loop
@@ -61,6 +61,7 @@ class Controller:
         ctx.spares = SparePool(ctx)
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
+        self.gate = None  # lighthouse_gate's relay in front of it, when the run has TLS
         self.watchdog = HostWatchdog(cfg.hosts.dead_after_s)
         self._pinging: set = set()  # groups whose hang check is running
         self.previous_controller = previous_controller
@@ -95,6 +96,8 @@ class Controller:
             summary = build_summary(ctx, self.slots, final, errors, self.previous_controller)
         finally:
             self.left_running = await stop_everything(ctx, self.slots, self.lighthouse)
+            if self.gate is not None:
+                self.gate.close()
         summary["left_running"] = self.left_running
         return summary
 
@@ -134,16 +137,20 @@ class Controller:
         from torchft.coordination import LighthouseServer
 
         ft, ip = self.ctx.cfg.ft, self.ctx.provider.controller_ip()
+        gated = lighthouse_gate.enabled()  # with a run certificate: only its holders reach the lighthouse
         self.lighthouse = LighthouseServer(
-            bind=f"{socket.gethostbyname(ip)}:0",  # the address the hosts reach, not every interface
+            bind=f"{'127.0.0.1' if gated else socket.gethostbyname(ip)}:0",  # never every interface
             min_replicas=ft.min_replicas,
             join_timeout_ms=ft.join_timeout_ms,
             quorum_tick_ms=ft.quorum_tick_ms,
             heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
         )
-        port = self.lighthouse.address().rsplit(":", 1)[1]
-        self.ctx.lighthouse_address = f"http://{ip}:{port}"
-        self.ctx.record.event("lighthouse_started", address=self.ctx.lighthouse_address)
+        port = int(self.lighthouse.address().rsplit(":", 1)[1])
+        if gated:
+            self.gate = lighthouse_gate.gate(socket.gethostbyname(ip), port)
+            port = self.gate.port
+        self.ctx.lighthouse_address, self.ctx.lighthouse_gated = f"http://{ip}:{port}", gated
+        self.ctx.record.event("lighthouse_started", address=self.ctx.lighthouse_address, gated=gated)
 
     async def _start_hosts(self) -> None:
         from monarch.actor import enable_transport

@@ -18,7 +18,7 @@ from monarch.actor import Actor, endpoint
 from monarch_sky import checkpoints
 from monarch_sky import digest as digest_mod
 from monarch_sky import platform as platform_mod
-from monarch_sky import test_hooks
+from monarch_sky import lighthouse_gate, test_hooks
 from monarch_sky.data_position import DataHandover
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.step_result import StepResult, combine
@@ -56,6 +56,7 @@ class ReplicaActor(Actor):
         from monarch_sky.trainer import GroupTrainer
 
         rank = int(os.environ["RANK"])  # set by the group's SPMD setup
+        lighthouse_gate.open_door()  # before TorchFT's manager reads TORCHFT_LIGHTHOUSE
         self.spec = spec
         self.trainer = GroupTrainer(self.spec, rejoining, data, rank)
         test_hooks.leak_a_process(spec.replica, rank)

@@ -30,6 +30,7 @@ def test_a_run_over_tls_trains_and_heals_from_a_peer(tmp_path):
     assert_recovered(run, "kill", replica=1, replicas=2)
     hosts = next(e for e in run.events if e["event"] == "hosts_ready")["hosts"]
     assert hosts and all(h.startswith("tls://127.0.0.1:") for h in hosts), hosts
+    assert next(e for e in run.events if e["event"] == "lighthouse_started")["gated"], "the lighthouse took anyone"
     assert run.leftovers == [], run.leftovers
 
 
