@@ -42,6 +42,16 @@ class CheckpointLoads:
             self._loading[found.step].discard(index)
             self._loaded.setdefault(found.step, set()).add(index)
 
+    def abandon(self, found, index: int) -> None:
+        """The build loading `found` was cancelled (the run ends)."""
+        if found is not None:
+            self._loading[found.step].discard(index)
+
+    def forget(self, index: int) -> None:
+        """Group `index`'s generation ended: whatever it loaded, it holds no more."""
+        for groups in self._loaded.values():
+            groups.discard(index)
+
     async def failed(self, found, index: int, error: str, timeout_s: float) -> LoadFailure | None:
         """Group `index`'s build that was loading `found` failed with `error`: what that says
         about the checkpoint, once every other group loading it finished (or `timeout_s`

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import ssl
 import threading
 from urllib.parse import urlparse
@@ -29,6 +30,7 @@ GATED_ENV = "MONARCH_SKY_LIGHTHOUSE_GATED"  # set in a trainer's environment: op
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 CHUNK = 1 << 16
 START_TIMEOUT_S = 10.0
+KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}  # a silent dead peer goes in ~1 min
 
 
 def enabled() -> bool:
@@ -87,6 +89,7 @@ class Relay:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = self.target
+        _keepalive(writer)  # a peer whose host died without a word is dropped, not held all run
         try:
             up_reader, up_writer = await asyncio.wait_for(
                 asyncio.open_connection(host, port, ssl=self.dial, server_hostname=host if self.dial else None),
@@ -94,16 +97,32 @@ class Relay:
         except (OSError, ssl.SSLError, asyncio.TimeoutError):  # the far end is gone, or refused us
             writer.close()
             return
+        _keepalive(up_writer)
         await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
 
     def close(self) -> None:
-        def stop() -> None:
+        async def stop() -> None:
             self._server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:  # the relays still open
+                task.cancel()
+            await asyncio.wait(tasks, timeout=START_TIMEOUT_S) if tasks else None
             self.loop.stop()
 
         if self.loop.is_running():
-            self.loop.call_soon_threadsafe(stop)
+            asyncio.run_coroutine_threadsafe(stop(), self.loop)
         self._thread.join(START_TIMEOUT_S)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def _keepalive(writer: asyncio.StreamWriter) -> None:
+    sock = writer.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for option, value in KEEPALIVE.items():  # Linux's defaults wait two hours before asking
+            if hasattr(socket, option):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
 
 
 def gate(public_ip: str, lighthouse_port: int) -> Relay:

@@ -20,7 +20,7 @@ import asyncio
 import enum
 import time
 
-from monarch_sky.checkpoint_policy import data_states
+from monarch_sky.checkpoint_resume import data_states
 from monarch_sky.context import RunContext
 from monarch_sky.slot_state import SlotState
 from monarch_sky.step_result import StepResult

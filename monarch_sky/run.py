@@ -13,7 +13,9 @@ import signal
 import sys
 from datetime import datetime
 
-from monarch_sky.checkpoint_policy import CheckpointMismatch, attempt_from_checkpoint, restart_message, resume_from
+from monarch_sky.checkpoint_resume import (
+    CheckpointMismatch, attempt_from_checkpoint, fired_before, restart_message, resume_from,
+)
 from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
 from monarch_sky.controller import Controller
 from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
@@ -78,6 +80,7 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     resume = None
     if previous is not None:
         previous["reaped_processes"] = reap_run(run_id, EVERYTHING)
+        previous["faults_fired"] = fired_before(cfg, previous)
         try:
             resume = resume_from(cfg, previous)  # the newest checkpoint, if the run has one
         except CheckpointMismatch as e:

@@ -31,6 +31,7 @@ from monarch_sky.supervision import describe_error
 __all__ = ["Slot", "SlotState"]
 
 _KEEP = object()
+BUILD_BOUND = 4  # a build's steps (spawn, imports, setup) are each bounded by timeouts.spawn_s
 
 
 class Slot:
@@ -89,10 +90,13 @@ class Slot:
             try:
                 data = DataHandover(self.data_states, self.skip_steps) if rejoining else DataHandover()
                 group, warm, info = await self.gens.build(rejoining, data, resume)
+            except asyncio.CancelledError:
+                loads.abandon(loading, self.index)
+                raise
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
-                verdict = await loads.failed(loading, self.index, str(e), self.ctx.cfg.timeouts.spawn_s)
+                verdict = await loads.failed(loading, self.index, str(e), BUILD_BOUND * self.ctx.cfg.timeouts.spawn_s)
                 if verdict is LoadFailure.UNREADABLE:
                     older = await self.ctx.checkpoints.set_aside(loading, checkpoints.unreadable(str(e))[1])
                     if resume is not None:  # going back live: to the older one, or (none) from scratch
@@ -139,6 +143,7 @@ class Slot:
 
     def lose(self, reason: str) -> None:
         self.enter(SlotState.LOST, None)
+        self.ctx.checkpoints.loads.forget(self.index)
         self.gens.give_back_hosts()
         self.ctx.lost.append({"replica": self.index, "reason": reason})
         self.ctx.record.event("replica_lost", replica=self.index, reason=reason)
@@ -167,6 +172,8 @@ class Slot:
                 if self.state in (SlotState.TRAINING, SlotState.REJOINING):  # DONE: it finished all the same
                     self.group.mark_failed(describe_error(e))
                     await self.recover(describe_error(e))
+                elif self.state is SlotState.RECOVERING:  # the recovery itself raised: no generation to drive
+                    self.lose(f"its recovery failed: {describe_error(e)}")
 
     async def _one_step(self) -> None:
         ctx, group = self.ctx, self.group
@@ -308,6 +315,7 @@ class Slot:
             group.mark_failed(reason)
             group.detected = True  # its processes' exits are not news
         self.enter(SlotState.RECOVERING, None)
+        self.ctx.checkpoints.loads.forget(self.index)  # what it loaded, it holds no more
         self.from_checkpoint, self.state_lost = None, False
         lost = await self._end_generation(group)
         if fault and not self.may_restart(reason):

@@ -8,7 +8,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from monarch_sky import checkpoints
-from monarch_sky.checkpoint_policy import SHAPE, CheckpointMismatch, fingerprint, restart_message, resume_from
+from monarch_sky.checkpoint_resume import (
+    SHAPE, CheckpointMismatch, attempt_from_checkpoint, fingerprint, fired_before, restart_message, resume_from,
+)
 from monarch_sky.config import load_job
 
 
@@ -63,6 +65,19 @@ def test_the_faults_a_run_fired_are_read_back_from_its_checkpoint_folder_a_line_
         f.write('"host@3')  # the process died mid-write
     assert checkpoints.faults_fired(tmp_path / "run") == ["kill@8:1", "controller@25"]
     assert checkpoints.newest(tmp_path / "run") is None, "the list is no checkpoint"
+
+
+def test_a_new_pod_knows_the_faults_fired_before_any_checkpoint_and_merges_both_lists(tmp_path):
+    cfg = job(tmp_path, "checkpoint.every_min=1")
+    folder = checkpoints.folder_for(cfg)
+    assert attempt_from_checkpoint(cfg) is None
+    checkpoints.note_fault_fired(folder, "controller@5")  # fired before the first save
+    previous = attempt_from_checkpoint(cfg)
+    assert previous["faults_fired"] == ["controller@5"] and previous["last_step"] == 0, previous
+    # A record from the second pod lacks the first pod's firing; the folder has both.
+    checkpoints.note_fault_fired(folder, "kill@8:1")
+    merged = fired_before(cfg, {"faults_fired": ["kill@8:1", "kill@8:1"]})
+    assert sorted(merged) == ["controller@5", "kill@8:1", "kill@8:1"], merged
 
 
 def test_no_checkpoint(tmp_path):
