@@ -15,8 +15,6 @@ import asyncio
 import enum
 import time
 
-from monarch_sky import checkpoints
-
 POLL_S = 0.05
 
 
@@ -52,15 +50,16 @@ class CheckpointLoads:
         for groups in self._loaded.values():
             groups.discard(index)
 
-    async def failed(self, found, index: int, error: str, timeout_s: float) -> LoadFailure | None:
-        """Group `index`'s build that was loading `found` failed with `error`: what that says
-        about the checkpoint, once every other group loading it finished (or `timeout_s`
-        passed: then what is known). None if it was loading none."""
+    async def failed(self, found, index: int, unreadable: tuple[int, str] | None,
+                     timeout_s: float) -> LoadFailure | None:
+        """Group `index`'s build that was loading `found` failed (`unreadable`: the step and the
+        reason if a checkpoint load failed it, `checkpoints.unreadable`): what that says about
+        the checkpoint, once every other group loading it finished (or `timeout_s` passed:
+        then what is known). None if it was loading none."""
         if found is None:
             return None
         step = found.step
         self._loading[step].discard(index)
-        unreadable = checkpoints.unreadable(error)
         if unreadable is None or unreadable[0] != step:
             return LoadFailure.NOT_THE_CHECKPOINT
         deadline = time.monotonic() + timeout_s

@@ -96,9 +96,10 @@ class Slot:
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
-                verdict = await loads.failed(loading, self.index, str(e), BUILD_BOUND * self.ctx.cfg.timeouts.spawn_s)
+                unreadable = checkpoints.unreadable(str(e))  # (step, why) if a checkpoint load failed it
+                verdict = await loads.failed(loading, self.index, unreadable, BUILD_BOUND * self.ctx.cfg.timeouts.spawn_s)
                 if verdict is LoadFailure.UNREADABLE:
-                    older = await self.ctx.checkpoints.set_aside(loading, checkpoints.unreadable(str(e))[1])
+                    older = await self.ctx.checkpoints.set_aside(loading, unreadable[1])
                     if resume is not None:  # going back live: to the older one, or (none) from scratch
                         resume, rejoining = older, older is None
                     continue  # the checkpoint failed, not the group: no restart spent
