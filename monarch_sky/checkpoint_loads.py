@@ -45,6 +45,10 @@ class CheckpointLoads:
         if found is not None:
             self._loading[found.step].discard(index)
 
+    def holders(self, step: int) -> set[int]:
+        """The groups whose live generation loaded the checkpoint of `step`."""
+        return set(self._loaded.get(step, ()))
+
     def forget(self, index: int) -> None:
         """Group `index`'s generation ended: whatever it loaded, it holds no more."""
         for groups in self._loaded.values():
@@ -65,7 +69,7 @@ class CheckpointLoads:
         deadline = time.monotonic() + timeout_s
         while self._loading.get(step, set()) - {index} and time.monotonic() < deadline:
             await asyncio.sleep(POLL_S)
-        loaded_by = sorted(self._loaded.get(step, set()) - {index})
+        loaded_by = sorted(self.holders(step) - {index})
         if not loaded_by:
             return LoadFailure.UNREADABLE
         self.record.event("checkpoint_load_failed_here", replica=index, step=step, loaded_by=loaded_by,

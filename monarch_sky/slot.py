@@ -74,6 +74,8 @@ class Slot:
         check_move(self.index, self.state, state)
         group = self.group if group is _KEEP else group
         check_invariant(self.index, state, group is not None)
+        if group is None and self.group is not None:
+            self.ctx.checkpoints.loads.forget(self.index)  # what its generation loaded, it holds no more
         self.state, self.group = state, group
 
     # ---- bring-up ----------------------------------------------------------------
@@ -144,7 +146,6 @@ class Slot:
 
     def lose(self, reason: str) -> None:
         self.enter(SlotState.LOST, None)
-        self.ctx.checkpoints.loads.forget(self.index)
         self.gens.give_back_hosts()
         self.ctx.lost.append({"replica": self.index, "reason": reason})
         self.ctx.record.event("replica_lost", replica=self.index, reason=reason)
@@ -316,7 +317,6 @@ class Slot:
             group.mark_failed(reason)
             group.detected = True  # its processes' exits are not news
         self.enter(SlotState.RECOVERING, None)
-        self.ctx.checkpoints.loads.forget(self.index)  # what it loaded, it holds no more
         self.from_checkpoint, self.state_lost = None, False
         lost = await self._end_generation(group)
         if fault and not self.may_restart(reason):

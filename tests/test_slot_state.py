@@ -6,9 +6,11 @@ from __future__ import annotations
 import ast
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from monarch_sky.checkpoint_loads import CheckpointLoads
 from monarch_sky.context import RunContext
 from monarch_sky.slot import Slot
 from monarch_sky.slot_state import TABLE, IllegalMove, SlotState
@@ -20,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "monarch_sky"
 def slot() -> Slot:
     ctx = RunContext(cfg=None, provider=None, record=None, tracker=None, display=None, platform=None)
     ctx.loop_thread = threading.get_ident()
+    ctx.checkpoints = SimpleNamespace(loads=CheckpointLoads(record=None))
     return Slot(ctx, 0, hosts=[], host_mesh=None)
 
 
@@ -46,6 +49,17 @@ def test_a_recovery_goes_through_rejoining_and_a_generation_is_attached_exactly_
     assert s.state is S.DONE and s.group is not None
     with pytest.raises(IllegalMove, match="done -> recovering"):
         s.enter(S.RECOVERING, None)  # a finished group is never recovered
+
+
+def test_a_generation_detached_no_longer_counts_as_holding_the_checkpoint_it_loaded():
+    s, found = slot(), SimpleNamespace(step=10)
+    loads = s.ctx.checkpoints.loads
+    loads.begin(found, 0)
+    loads.loaded(found, 0)
+    s.enter(S.TRAINING, object())
+    assert loads.holders(10) == {0}
+    s.enter(S.RECOVERING, None)
+    assert loads.holders(10) == set(), "a later group would heal from a generation that is gone"
 
 
 def test_a_refused_move_changes_nothing():
