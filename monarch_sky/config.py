@@ -53,7 +53,7 @@ class FTSettings:
     quorum_timeout_s: int = 60  # a group waiting this long for a TorchFT quorum fails its step
     timeout_s: int = 60  # TorchFT's manager timeout: each read of a heal transfer, should_commit
     # How a rejoining group gets its state: "tcp" (snapshot, striped streams: heal_transport.py),
-    # "http" (TorchFT's default), "auto" (tcp; http in diloco mode)
+    # "http" (TorchFT's default), "auto" (tcp)
     heal_transport: str = "auto"
     max_restarts: int = 3  # respawns of one replica group before it is given up
     standby: bool = True  # keep a warm spare process set per group: recovery skips imports
@@ -149,13 +149,9 @@ def ranks_per_group(cfg) -> int:
     return cfg.procs_per_replica * cfg.hosts_per_replica
 
 
-def heal_transport(kind: str, mode: str) -> str:
-    """The transport `ft.heal_transport` names. "auto": tcp, the fastest (`make bench-heal`),
-    in step mode; http in DiLoCo, whose outer optimizer state holds DTensors that tcp's
-    pickle-free wire does not carry yet."""
-    if kind != "auto":
-        return kind
-    return "http" if mode == "diloco" else "tcp"
+def heal_transport(kind: str) -> str:
+    """The transport `ft.heal_transport` names. "auto": tcp, the fastest (`make bench-heal`)."""
+    return "tcp" if kind == "auto" else kind
 
 
 def load_job(overrides: list[str], config_file: str | None = None) -> Job:

@@ -149,7 +149,7 @@ APPLIED_FT = ("timeout_s", "quorum_timeout_s", "join_timeout_ms", "process_group
 def apply(cfg, platform_kind: str) -> dict:
     """Raise the timeouts a heal runs under to what this job's model needs at its transport's
     rate (never lower them), and return the budget for the run record."""
-    info = describe(cfg.recipe, ranks_per_group(cfg), platform_kind, transport=heal_transport(cfg.ft.heal_transport, cfg.ft.mode))
+    info = describe(cfg.recipe, ranks_per_group(cfg), platform_kind, transport=heal_transport(cfg.ft.heal_transport))
     cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])
     cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, info["quorum_timeout_s"])
     cfg.timeouts.step_s = max(cfg.timeouts.step_s, info["step_s"])

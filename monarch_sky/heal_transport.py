@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from torch.distributed.tensor import DTensor
 from torchft.checkpointing.transport import CheckpointTransport
 
 from monarch_sky import config, heal_wire, test_hooks
@@ -177,10 +178,10 @@ def stripes(nbytes: int, sources: list[str], streams: int) -> list[tuple[str, in
 
 
 def fetch(
-    sources: list[str], step: int, secret: bytes, timeout_s: float, streams: int = STREAMS, into=None
+    sources: list[str], step: int, secret: bytes, timeout_s: float, streams: int = STREAMS, into=None, mesh=None
 ) -> tuple[Any, dict]:
     """Receive the state of `step` from `sources` (each serving the same snapshot), into
-    `into` when it is large enough.
+    `into` when it is large enough; DTensors are rebuilt on `mesh`.
 
     Returns the state and {source: bytes it sent}. Every socket operation is bounded by
     `timeout_s`: a slow heal that keeps moving finishes, a stalled one fails.
@@ -198,7 +199,7 @@ def fetch(
         for (src, a, b), future in zip(parts, futures):
             future.result()
             per_source[src] += b - a
-    return heal_wire.unpack(header, buffer), per_source
+    return heal_wire.unpack(header, buffer, mesh), per_source
 
 
 class TCPHealTransport(CheckpointTransport[dict]):
@@ -208,6 +209,7 @@ class TCPHealTransport(CheckpointTransport[dict]):
         self._stats = HealStats()
         self._lock = threading.Lock()
         self._buffer = None  # mapped host memory, reused by every snapshot and receive
+        self.mesh = None  # this rank's device mesh: a received DTensor is rebuilt on it
 
     def prepare(self, nbytes: int) -> None:
         """Map a buffer of `nbytes` now, so the heal itself runs at the wire's rate."""
@@ -231,7 +233,8 @@ class TCPHealTransport(CheckpointTransport[dict]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> dict:
         began = time.perf_counter()
-        state, per_source = fetch([metadata], step, self._secret, self._timeout_s, self._streams, into=self._buffer)
+        state, per_source = fetch([metadata], step, self._secret, self._timeout_s, self._streams, into=self._buffer,
+                                  mesh=self.mesh)
         self._buffer = None  # the state is a view into it until loaded
         with self._lock:
             self._stats.received_bytes += sum(per_source.values())
@@ -256,11 +259,15 @@ def receive_bytes(shard_bytes: list[int], copies: int) -> int:
     return copies * sum(shard_bytes) + 2 * heal_wire.ALIGN * copies * len(shard_bytes) + (1 << 16)
 
 
-def prepare_receive(transport: CheckpointTransport, params: list, copies: int) -> None:
-    """A rejoining rank maps its receive buffer while it builds, from its own shards' sizes
-    (the peer's optimizer state exists, this rank's not yet). A larger state still arrives,
-    into a buffer mapped then."""
-    if isinstance(transport, TCPHealTransport):
+def prepare_receive(transport: CheckpointTransport, params: list, copies: int, rejoining: bool) -> None:
+    """Any rank may be healed (one that fell behind too): it rebuilds received DTensors
+    (DiLoCo's outer momentum) on the mesh its parameters live on. A rejoining rank also maps
+    its receive buffer while it builds, from its own shards' sizes (the peer's optimizer
+    state exists, this rank's not yet). A larger state still arrives, into a buffer mapped then."""
+    if not isinstance(transport, TCPHealTransport):
+        return
+    transport.mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+    if rejoining:
         transport.prepare(receive_bytes([local_tensor(p).nbytes for p in params], copies))
 
 
@@ -273,11 +280,11 @@ def step_stats(transport: CheckpointTransport) -> dict:
             "snapshot_s": s.snapshot_s}
 
 
-def install(manager, kind: str, mode: str, timeout_s: float) -> CheckpointTransport:
+def install(manager, kind: str, timeout_s: float) -> CheckpointTransport:
     """Replace the transport TorchFT's manager was built with (before its first quorum)."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
-    kind = config.heal_transport(kind, mode)
+    kind = config.heal_transport(kind)
     timeout_s = test_hooks.heal_timeout_s() or timeout_s
     if kind == "tcp":
         host = os.environ.get(ADVERTISE_ENV) or "127.0.0.1"

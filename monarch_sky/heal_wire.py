@@ -4,6 +4,9 @@
 tensors may change the moment it returns) and describes everything else in JSON: the tree's
 shape (torch's pytree spec), each tensor's dtype, shape and offset, and the plain values
 (steps, learning rates). `unpack` rebuilds the state as views into the received buffer.
+A DTensor (DiLoCo's outer momentum, sharded like its parameter) crosses as its local shard
+with its placements and global shape; the receiver, whose rank holds the same shard of the
+same mesh, rebuilds it on its own mesh.
 Nothing is pickled: a peer, or a stranger who reached the port, can send bytes and numbers,
 never code (TorchFT's HTTP transport unpickles with `weights_only=False`).
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 ALIGN = 64  # each tensor starts on a cache line, so its view has a legal storage offset
@@ -62,13 +66,18 @@ def host_buffer(nbytes: int) -> torch.Tensor:
 
 
 def layout(state: Any) -> tuple[list, Any, list[dict], int]:
-    """(leaves, tree spec, each leaf described, buffer bytes) of a state."""
+    """(leaves, tree spec, each leaf described, buffer bytes) of a state; a DTensor leaf is
+    given as its local shard."""
     leaves, spec = tree_flatten(state)
     described, offset = [], 0
-    for leaf in leaves:
+    for i, leaf in enumerate(leaves):
         if torch.is_tensor(leaf):
+            extra = {}
+            if isinstance(leaf, DTensor):
+                extra, leaf = {"dtensor": _dtensor_text(leaf)}, leaf.to_local()
+                leaves[i] = leaf
             described.append({"dtype": str(leaf.dtype).removeprefix("torch."), "shape": list(leaf.shape),
-                              "offset": offset})
+                              "offset": offset, **extra})
             offset += math.ceil(leaf.numel() * leaf.element_size() / ALIGN) * ALIGN
         elif isinstance(leaf, PLAIN):
             described.append({"value": leaf})
@@ -76,6 +85,28 @@ def layout(state: Any) -> tuple[list, Any, list[dict], int]:
             raise HealWireError(f"heal state holds a {type(leaf).__name__}: only tensors and plain values "
                                 "(numbers, strings, None) cross the wire")
     return leaves, spec, described, offset
+
+
+def _dtensor_text(tensor: DTensor) -> dict:
+    """What the receiver needs besides the local shard: placements and the global shape."""
+    placements = []
+    for p in tensor.placements:
+        if type(p) is Shard:  # not _StridedShard and the like: their layout is not just a dim
+            placements.append({"shard": p.dim})
+        elif isinstance(p, Replicate):
+            placements.append({"replicate": True})
+        else:
+            raise HealWireError(f"heal state holds a DTensor placed {p}: only Shard(dim) and Replicate cross the wire")
+    return {"placements": placements, "shape": list(tensor.shape), "stride": list(tensor.stride())}
+
+
+def _rebuild(local: torch.Tensor, text: dict, mesh) -> DTensor:
+    if mesh is None:
+        raise HealWireError("the heal state holds DTensors but the receiving rank gave no device mesh to rebuild them on")
+    placements = [Shard(p["shard"]) if "shard" in p else Replicate() for p in text["placements"]]
+    local = local.to(mesh.device_type, copy=True)  # a view would keep the whole receive buffer alive
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(text["shape"]),
+                              stride=tuple(text["stride"]))
 
 
 def pack(state: Any, step: int, into: torch.Tensor | None = None) -> Packed:
@@ -99,8 +130,17 @@ def _view(buffer: torch.Tensor, desc: dict) -> torch.Tensor:
     return buffer[start:start + nbytes].view(dtype).view(desc["shape"])
 
 
-def unpack(header: dict, buffer: torch.Tensor) -> Any:
-    leaves = [_view(buffer, d) if "offset" in d else d["value"] for d in header["leaves"]]
+def unpack(header: dict, buffer: torch.Tensor, mesh=None) -> Any:
+    """The state as views into `buffer`; DTensor leaves rebuilt on `mesh` (the receiving
+    rank's device mesh: same shape, this rank's coordinates)."""
+    leaves = []
+    for d in header["leaves"]:
+        if "offset" not in d:
+            leaves.append(d["value"])
+        elif "dtensor" in d:
+            leaves.append(_rebuild(_view(buffer, d), d["dtensor"], mesh))
+        else:
+            leaves.append(_view(buffer, d))
     return tree_unflatten(leaves, treespec_loads(header["spec"]))
 
 

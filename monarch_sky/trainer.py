@@ -76,7 +76,7 @@ class GroupTrainer:
         self.trainer = trainer = FaultTolerantTrainer(config)
         self.manager = trainer.ft_manager.manager
         ft = self.spec.ft
-        self.transport = heal_transport.install(self.manager, ft["heal_transport"], ft["mode"], ft["timeout_s"])
+        self.transport = heal_transport.install(self.manager, ft["heal_transport"], ft["timeout_s"])
         self._quorum = QuorumMembers(self.manager)
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
@@ -110,8 +110,7 @@ class GroupTrainer:
         self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)
         self._data.skip(data.skip_steps * trainer.gradient_accumulation_steps)
         self._params = [p for m in trainer.model_parts for p in m.parameters()]
-        if self._rejoining:
-            heal_transport.prepare_receive(self.transport, self._params, copies=5 if self._diloco else 3)
+        heal_transport.prepare_receive(self.transport, self._params, 5 if self._diloco else 3, self._rejoining)
         self._perturb = test_hooks.perturb_replica(self.spec.replica)
         loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")
         self._loss_group = loss_mesh.get_group() if loss_mesh is not None else None

@@ -109,11 +109,6 @@ def validate(config: DictConfig) -> None:
         raise ConfigError(
             f"ft.min_replicas: {config.ft.min_replicas} is more than replicas={config.replicas}"
         )
-    if config.ft.mode == "diloco" and config.ft.heal_transport == "tcp":
-        raise ConfigError(
-            "ft.heal_transport: tcp does not carry DiLoCo's outer optimizer state (DTensors) yet; "
-            "use ft.heal_transport=auto (http in diloco mode) or http"
-        )
     if config.ft.mode == "diloco" and config.steps % config.ft.sync_steps:
         raise ConfigError(
             f"ft.sync_steps: steps={config.steps} is not a multiple of ft.sync_steps="

@@ -81,7 +81,6 @@ BAD = [
     (["checkpoint.keep=-2"], ["checkpoint.keep", ">= 0"]),
     (["checkpoint.async_mode=sync"], ["checkpoint.async_mode", "async", "async_with_pinned_mem"]),
     (["ft.heal_transport=rdma"], ["ft.heal_transport", "rdma", "auto", "tcp", "http"]),
-    (["ft.mode=diloco", "ft.heal_transport=tcp", "steps=100"], ["ft.heal_transport", "DiLoCo", "auto"]),
     (["checkpoint.folder=s3://bucket/ck"], ["checkpoint.folder", "mount the bucket"]),
 ]
 

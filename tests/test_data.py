@@ -90,5 +90,8 @@ def test_a_diloco_group_that_died_after_its_sync_does_not_train_that_intervals_b
     assert failure["replica"] == 1 and failure["step"] == 9, failure
     assert [(e["replica"], e["step"]) for e in run.events if e["event"] == "trained_unreported"] == [(1, 10)]
     rejoined = [e for e in run.events if e["event"] == "replica_rejoined"]
-    assert [(e["replica"], e["recovered_from"]) for e in rejoined] == [(1, "peer")]
+    assert [(e["replica"], e["recovered_from"], e["heal_transport"]) for e in rejoined] == [(1, "peer", "tcp")]
     assert_neither_replayed_nor_skipped(seen, clean_diloco_batches)
+    # Syncs after the heal moved both groups' weights through their own outer optimizers: equal
+    # weights at the end mean the outer momentum (a DTensor) crossed the heal intact.
+    assert len(set(run.summary["final_param_digest"].values())) == 1, run.summary["final_param_digest"]

@@ -100,7 +100,7 @@ def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(r
         "ft.quorum_timeout_s=3", "faults=kill@61:0",
     )
     assert_recovered(run, "kill", replica=0, replicas=2)
-    assert run.summary["ft_mode"] == "diloco" and run.summary["heal_transport"] == "http"  # auto, in DiLoCo
+    assert run.summary["ft_mode"] == "diloco" and run.summary["heal_transport"] == "tcp"  # auto, in DiLoCo too
     assert run.summary["restarts"] == {"0": 1, "1": 0}, "the rejoiner was declared failed again"
     [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
     assert rejoined["step"] == 120, f"DiLoCo heals at the next sync, not at step {rejoined['step']}"

@@ -88,6 +88,47 @@ def test_only_tensors_and_plain_values_cross_the_wire():
         heal_wire.pack({"fn": object()}, step=1)
 
 
+@pytest.fixture
+def rank1_of_two():
+    """This process as rank 1 of a 2-rank world (torch's fake backend: no peer, no traffic)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_diloco_outer_momentum_crosses_as_this_ranks_shard_and_is_rebuilt_on_the_receivers_mesh(pair, rank1_of_two):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, (serving, receiving) = rank1_of_two, pair
+    shard = torch.arange(12.0).view(3, 4) + 100  # rank 1's rows 3-5 of a (6, 4) parameter
+    momentum = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=torch.Size([6, 4]),
+                                  stride=(4, 1))
+    scale = DTensor.from_local(torch.ones(4), mesh, [Replicate()], run_check=False)
+    state = {"user": {"StreamingDiLoCoFragment_0": {"outer_optimizer": {"state": {0: {"momentum_buffer": momentum}},
+                                                                        "param_groups": [{"lr": 0.7, "params": [0]}]},
+                                                    "original_parameters": {"w": shard.clone()}},
+                      "scale": scale}, "torchft": {"step": 2}}
+    serving.send_checkpoint([1], 2, state, timedelta(seconds=5))
+    receiving.mesh = mesh
+    got = receiving.recv_checkpoint(1, serving.metadata(), 2, timedelta(seconds=5))
+    fragment = got["user"]["StreamingDiLoCoFragment_0"]
+    buf = fragment["outer_optimizer"]["state"][0]["momentum_buffer"]
+    assert isinstance(buf, DTensor) and buf.device_mesh is mesh and buf.placements == (Shard(0),)
+    assert buf.shape == (6, 4) and torch.equal(buf.to_local(), shard)
+    assert isinstance(got["user"]["scale"], DTensor) and got["user"]["scale"].placements == (Replicate(),)
+    assert torch.equal(fragment["original_parameters"]["w"], shard)
+    assert fragment["outer_optimizer"]["param_groups"] == [{"lr": 0.7, "params": [0]}]
+    receiving.mesh = None  # a rank that gave no mesh is told why, not handed plain tensors
+    with pytest.raises(HealWireError, match="device mesh"):
+        receiving.recv_checkpoint(1, serving.metadata(), 2, timedelta(seconds=5))
+
+
 def test_a_heal_is_striped_over_every_source_of_the_same_step():
     sources = [TCPHealTransport("127.0.0.1", SECRET, 10) for _ in range(2)]
     try:

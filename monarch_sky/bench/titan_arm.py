@@ -163,7 +163,7 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
     from monarch_sky.healing import register_with_torchft
 
     manager = trainer.ft_manager.manager
-    heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.mode, cfg.ft.timeout_s)
+    heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.timeout_s)
     register_with_torchft(manager, trainer)
     manager.register_state_dict_fn("titan_step", lambda s: setattr(trainer, "step", s["step"]),
                                    lambda: {"step": trainer.step})
