@@ -111,6 +111,7 @@ def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(r
     assert waited["waited_steps"] >= 10, f"test premise: the rejoiner must wait out survivor steps: {waited}"
 
 
+@pytest.mark.e2e  # the non-default transport; the fast suite heals over tcp
 def test_a_kill_heals_over_torchfts_http_transport_too(run_dir):
     run = train(run_dir, "replicas=2", "steps=40", "faults=kill@10:1", "ft.heal_transport=http")
     assert_recovered(run, "kill", replica=1, replicas=2)
@@ -155,6 +156,7 @@ def test_groups_with_different_weights_fail_the_run(run_dir):
     assert run.leftovers == []
 
 
+@pytest.mark.e2e  # ~3 min; make chaos also heals hosts on a spare
 def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(run_dir):
     run = train(run_dir, "replicas=2", "steps=250", "faults=host@20:1", "hosts.spares=1", "hosts.provision_delay_s=2")
     fault = assert_recovered(run, "host", replica=1, replicas=2)

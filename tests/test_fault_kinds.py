@@ -58,7 +58,8 @@ def test_every_group_failing_at_once_is_reported_as_lost_progress_not_a_recovery
 
 @pytest.mark.parametrize("faults", [
     "kill@30:0,kill@30:1",  # both at once: each new generation loads the checkpoint
-    "kill@30:0,kill@31:1",  # the last holder dies while the other comes back to heal from it
+    # the last holder dies while the other comes back to heal from it (~90 s: make e2e)
+    pytest.param("kill@30:0,kill@31:1", marks=pytest.mark.e2e),
 ])
 def test_every_group_failing_at_once_goes_back_to_the_newest_checkpoint_not_to_scratch(run_dir, faults):
     # With checkpoints on, a new generation with no one to heal from loads the newest complete
@@ -94,6 +95,7 @@ def test_every_group_failing_at_once_goes_back_to_the_newest_checkpoint_not_to_s
     assert run.leftovers == [], run.leftovers
 
 
+@pytest.mark.e2e  # ~2 min; test_lifecycle sets an unreadable checkpoint aside at a restart
 def test_a_checkpoint_that_cannot_be_loaded_sends_the_run_back_to_the_one_before(run_dir):
     # Both groups die at step 30, and every checkpoint from step 20 on was damaged once
     # complete (its tensor files emptied, `.metadata` and note intact): each is set aside
@@ -136,6 +138,7 @@ def test_a_checkpoint_that_cannot_be_loaded_sends_the_run_back_to_the_one_before
     assert run.leftovers == [], run.leftovers
 
 
+@pytest.mark.e2e  # ~2 min; make chaos aims faults at recoveries too
 def test_faults_that_hit_each_new_generation_while_it_heals_still_end_in_a_peer_rejoin(run_dir):
     # A kill, then a kill and a host loss aimed at the next two generations' first step back
     # (their heal): neither of those generations may count as rejoined; the third must

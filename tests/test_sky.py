@@ -353,6 +353,7 @@ def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path, nodes,
     assert run.leftovers == [], run.leftovers
 
 
+@pytest.mark.e2e  # ~2 min of simulated nodes
 def test_a_node_whose_worker_dies_moves_to_the_spare_node_and_comes_back_as_the_new_spare(tmp_path):
     # Three simulated nodes with SPARE_NODES=1: two groups and a spare. Node 1's worker dies with
     # everything it started (a crash of that node's stack); its group moves onto node 2's warm
