@@ -79,8 +79,8 @@ class HostSettings:
     provision_timeout_s: float = 600.0  # give up on a replacement host after this
     max_replacements: int = 3  # local: replacement hosts available to the run
     spares: int = 0  # hosts kept up in no group (warm where a group is one host); a lost host's group takes one
-    # a host is declared dead after its worker refused connections for this long (consecutive probes)
-    dead_after_s: float = 2.0
+    dead_after_s: float = 2.0  # a host that does not answer its probes is dead after this long
+    dead_after_refused_s: float = 0.5  # one whose worker refuses connections (it is gone) after this long
 
 
 @dataclass

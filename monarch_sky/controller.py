@@ -23,7 +23,7 @@ from monarch_sky.config import Job, ranks_per_group
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog, exited_on_hosts
 from monarch_sky.generations import attach_hosts
-from monarch_sky.hosts import HostProvider
+from monarch_sky.hosts import UP, HostProvider
 from monarch_sky.injector import FaultInjector
 from monarch_sky.ledger import StatusCounts, StepLedger
 from monarch_sky.progress import Display
@@ -62,7 +62,7 @@ class Controller:
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
         self.gate = None  # lighthouse_gate's relay in front of it, when the run has TLS
-        self.watchdog = HostWatchdog(cfg.hosts.dead_after_s)
+        self.watchdog = HostWatchdog.of(cfg.hosts)
         self._pinging: set = set()  # groups whose hang check is running
         self.previous_controller = previous_controller
         self.left_running: list[str] = []  # the run's processes its orderly stop missed (shutdown.py)
@@ -242,13 +242,13 @@ class Controller:
 
     async def _check(self, slot: Slot) -> None:
         group, hosts = slot.group, slot.hosts
-        probes = await asyncio.gather(*(self.ctx.provider.probe(h, DETECT_EVERY_S * 2) for h in hosts))
+        probes = await asyncio.gather(*(self.ctx.provider.reach(h, DETECT_EVERY_S * 2) for h in hosts))
         dead = self.watchdog.first_dead(hosts, probes, time.monotonic())
         if dead is not None:
             self.watchdog.forget(dead.address)
             slot.on_failure(group, f"host {dead.name} ({dead.address}) is unreachable", time.monotonic())
             return
-        reachable = all(probes)
+        reachable = all(p == UP for p in probes)
         if reachable and self._suspect_hang(slot):
             self.ctx.in_background(self._check_hang(slot, group))
         if reachable and slot.agent is not None and group.pids:

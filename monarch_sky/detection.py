@@ -6,9 +6,10 @@ takes several seconds to give up on a whole host. So the controller also asks, e
 second:
 - each host's `HostAgent` (one small process per host of a group, a sibling of the trainers)
   whether any process of the group running there has exited: the host sees a child exit at once;
-- the host itself, with a TCP connect to its worker (`HostWatchdog`): a host is declared
-  dead only after its probes kept failing for `hosts.dead_after_s`, so one dropped SYN or a
-  slow name lookup never tears down a healthy group.
+- the host itself, with a TCP connect to its worker (`HostWatchdog`): a host that does not
+  answer is declared dead only after its probes kept failing for `hosts.dead_after_s`, so one
+  dropped SYN or a slow name lookup never tears down a healthy group; one that refuses (its
+  kernel says nothing listens: the worker is gone) after `hosts.dead_after_refused_s`.
 The controller acts on whichever signal comes first (supervision, a failed step call, the
 agent, the watchdog).
 """
@@ -22,6 +23,7 @@ import time
 
 from monarch.actor import Actor, endpoint
 
+from monarch_sky.hosts import REFUSED, UP
 from monarch_sky.supervision import resolved
 
 
@@ -78,48 +80,73 @@ def kill_on_hosts(agent, pids_by_host: list[list[int]], skip: tuple[int, ...] = 
 
 
 class HostWatchdog:
-    """Declares a host dead after at least two failed probes spanning `dead_after_s`."""
+    """Declares a host dead after at least two failed probes spanning `dead_after_s`, or two
+    refused in a row spanning `dead_after_refused_s`: a refusal is the host's own answer that
+    its worker is gone, where silence may be one lost packet."""
 
-    def __init__(self, dead_after_s: float):
+    def __init__(self, dead_after_s: float, dead_after_refused_s: float | None = None):
         self.dead_after_s = dead_after_s
+        self.dead_after_refused_s = min(dead_after_refused_s or dead_after_s, dead_after_s)
         self._failing: dict[str, tuple[float, int]] = {}  # host -> (first failure, count)
+        self._refused: dict[str, tuple[float, int]] = {}  # host -> (first refusal in a row, count)
 
-    def observe(self, host: str, reachable: bool, now: float) -> bool:
-        """Record one probe of `host` at `now`; True once the host counts as dead."""
-        if reachable:
-            self._failing.pop(host, None)
+    @classmethod
+    def of(cls, hosts) -> HostWatchdog:
+        """The rule a run's `hosts` settings give."""
+        return cls(hosts.dead_after_s, hosts.dead_after_refused_s)
+
+    def observe(self, host: str, state: str, now: float) -> bool:
+        """Record one probe of `host` at `now` (`hosts.UP`, `REFUSED` or `SILENT`); True once
+        the host counts as dead."""
+        if state == UP:
+            self.forget(host)
             return False
-        first, count = self._failing.get(host, (now, 0))
-        self._failing[host] = (first, count + 1)
-        return count + 1 >= 2 and now - first >= self.dead_after_s
+        self._failing[host] = failing = _counted(self._failing.get(host), now)
+        if state == REFUSED:
+            self._refused[host] = refused = _counted(self._refused.get(host), now)
+            if _spans(refused, now, self.dead_after_refused_s):
+                return True
+        else:
+            self._refused.pop(host, None)
+        return _spans(failing, now, self.dead_after_s)
 
     def forget(self, host: str) -> None:
         self._failing.pop(host, None)
+        self._refused.pop(host, None)
 
-    def first_dead(self, hosts: list, probes: list[bool], now: float):
+    def first_dead(self, hosts: list, probes: list[str], now: float):
         """Record one probe of each of `hosts`; the first that now counts as dead, or None."""
-        for host, up in zip(hosts, probes):
-            if self.observe(host.address, up, now):
+        for host, state in zip(hosts, probes):
+            if self.observe(host.address, state, now):
                 return host
         return None
 
 
-async def first_dead_host(provider, hosts: list, dead_after_s: float, every_s: float):
-    """Probe `hosts` until one counts as dead by `HostWatchdog`'s rule; returns it. Watches a
+def _counted(run: tuple[float, int] | None, now: float) -> tuple[float, int]:
+    first, count = run or (now, 0)
+    return first, count + 1
+
+
+def _spans(run: tuple[float, int], now: float, window_s: float) -> bool:
+    first, count = run
+    return count >= 2 and now - first >= window_s
+
+
+async def first_dead_host(provider, hosts: list, watchdog: HostWatchdog, every_s: float):
+    """Probe `hosts` until one counts as dead by `watchdog`'s rule; returns it. Watches a
     group whose generation is being built, which the controller's watchdog does not."""
-    watchdog = HostWatchdog(dead_after_s)
     while True:
-        probes = await asyncio.gather(*(provider.probe(h, 2 * every_s) for h in hosts))
+        probes = await asyncio.gather(*(provider.reach(h, 2 * every_s) for h in hosts))
         dead = watchdog.first_dead(hosts, probes, time.monotonic())
         if dead is not None:
             return dead
         await asyncio.sleep(every_s)
 
 
-async def unless_a_host_dies(work: asyncio.Future, provider, hosts: list, dead_after_s: float, every_s: float):
+async def unless_a_host_dies(work: asyncio.Future, provider, hosts: list, watchdog: HostWatchdog, every_s: float):
     """Wait for `work` while watching `hosts`: None once it is done, else the host that died
     first (`work` is then still running: the caller's to cancel)."""
-    watch = asyncio.ensure_future(first_dead_host(provider, hosts, dead_after_s, every_s))
+    watch = asyncio.ensure_future(first_dead_host(provider, hosts, watchdog, every_s))
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:

@@ -20,7 +20,7 @@ from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.data_position import DataHandover
-from monarch_sky.detection import kill_on_hosts, start_host_agent, unless_a_host_dies
+from monarch_sky.detection import HostWatchdog, kill_on_hosts, start_host_agent, unless_a_host_dies
 from monarch_sky.hosts import Host, HostError
 from monarch_sky.replica import ReplicaGroup
 from monarch_sky.supervision import describe_error, resolved
@@ -248,7 +248,7 @@ class Generations:
         group's hosts dies meanwhile (not after `timeouts.spawn_s`). `resume`: a checkpoint
         (`checkpoints.Found`) it loads at setup."""
         build = asyncio.ensure_future(self._build(rejoining, data, resume))
-        host = await unless_a_host_dies(build, self.ctx.provider, self.hosts, self.ctx.cfg.hosts.dead_after_s, PROBE_EVERY_S)
+        host = await unless_a_host_dies(build, self.ctx.provider, self.hosts, HostWatchdog.of(self.ctx.cfg.hosts), PROBE_EVERY_S)
         if host is None:
             return build.result()
         build.cancel()  # its cleanup (bounded by timeouts.stop_s) goes on without us

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 RUN_ID_ENV = "MONARCH_SKY_RUN_ID"  # set on hosts: they and all they start carry it
 CONTROLLER_ENV = "MONARCH_SKY_CONTROLLER_RUN"  # set on the controller: its helpers (W&B) carry it
+UP, REFUSED, SILENT = "up", "refused", "silent"  # what a probe of a host's worker found (`reach`)
 
 
 @dataclass(frozen=True)
@@ -120,13 +121,21 @@ class HostProvider(abc.ABC):
         return reachable(host.ip, host.port, timeout_s)
 
     async def probe(self, host: Host, timeout_s: float) -> bool:
-        """`alive` on the event loop, no thread: the watchdog probes every host twice a second."""
+        """`alive` on the event loop, no thread."""
+        return await self.reach(host, timeout_s) == UP
+
+    async def reach(self, host: Host, timeout_s: float) -> str:
+        """How the host's worker answers a TCP connect (the watchdog asks every host twice a
+        second): UP; REFUSED, the host itself answered that nothing listens there (its worker
+        is gone); or SILENT, no answer in `timeout_s` (the host is down, or a packet was lost)."""
         try:
             _, writer = await asyncio.wait_for(asyncio.open_connection(host.ip, host.port), timeout_s)
+        except ConnectionRefusedError:
+            return REFUSED
         except (OSError, asyncio.TimeoutError):
-            return False
+            return SILENT
         writer.close()
-        return True
+        return UP
 
 
 class LocalHosts(HostProvider):

@@ -52,7 +52,7 @@ class SparePool:
         self.used = 0
         self.failures = 0  # spares in a row that failed to come up
         self.refills: dict[asyncio.Task, asyncio.Future] = {}  # refill (its _order) -> provider call in flight
-        self.watchdog = HostWatchdog(ctx.cfg.hosts.dead_after_s)
+        self.watchdog = HostWatchdog.of(ctx.cfg.hosts)
 
     @property
     def warm(self) -> bool:
@@ -114,7 +114,7 @@ class SparePool:
         ctx, began = self.ctx, time.monotonic()
         work = asyncio.ensure_future(self._attach_and_warm(host))
         try:
-            dead = await unless_a_host_dies(work, ctx.provider, [host], ctx.cfg.hosts.dead_after_s, PROBE_EVERY_S)
+            dead = await unless_a_host_dies(work, ctx.provider, [host], HostWatchdog.of(ctx.cfg.hosts), PROBE_EVERY_S)
             spare = work.result() if dead is None else None
         except Exception as e:
             return await self._failed(host, describe_error(e), alive=await ctx.provider.probe(host, PROBE_TIMEOUT_S))
@@ -178,7 +178,7 @@ class SparePool:
     async def check(self) -> None:
         """Probe the idle spares (with the watchdog's rule); drop a dead or broken one."""
         spares = list(self.ready)
-        probes = await asyncio.gather(*(self.ctx.provider.probe(s.host, PROBE_TIMEOUT_S) for s in spares))
+        probes = await asyncio.gather(*(self.ctx.provider.reach(s.host, PROBE_TIMEOUT_S) for s in spares))
         dead = self.watchdog.first_dead([s.host for s in spares], probes, time.monotonic())
         for spare in spares:
             if spare in self.ready and (spare.host == dead or self._broken(spare)):

@@ -51,6 +51,7 @@ MORE_THAN_ZERO = (  # a zero timeout or tick fails every wait, or never ends one
     "timeouts.hang_s",
     "hosts.provision_timeout_s",
     "hosts.dead_after_s",
+    "hosts.dead_after_refused_s",
 )
 AT_LEAST_ZERO = (
     "seed",

@@ -6,6 +6,7 @@ KIND instead of the one the config names; everything else is the real thing.
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -70,6 +71,31 @@ class SpareDiesIdleHosts(LocalHosts):
                 return
 
 
+class SpareDiesOnPromotionHosts(LocalHosts):
+    """The first spare a group takes dies as soon as the run records the group on it (its
+    `host_replaced` event), while the group's new generation builds there."""
+
+    events: Path | None = None  # the run's events.jsonl, set by main
+
+    def spare_hosts(self, count: int) -> list[Host]:
+        hosts = super().spare_hosts(count)
+        threading.Thread(target=self._kill_the_first_promoted, args=(hosts,), daemon=True).start()
+        return hosts
+
+    def _kill_the_first_promoted(self, spares: list[Host]) -> None:
+        while not self._closed.wait(0.1):
+            if not self.events.exists():
+                continue
+            for line in self.events.read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line still being written
+                    continue
+                if event["event"] == "host_replaced" and event["spare"]:
+                    self.kill(next(h for h in spares if h.address == event["host"]))
+                    return
+
+
 class BrokenHosts(LocalHosts):
     """A provider with a bug: the controller's own start-up raises something no code expects."""
 
@@ -91,7 +117,7 @@ class PrivateDiskHosts(LocalHosts):
 
 
 PROVIDERS = {"broken": BrokenHosts, "private-disk": PrivateDiskHosts, "fails-once": FailsOnceHosts, "never-answers": NeverAnswersHosts, "dies-on-arrival": DiesOnArrivalHosts,
-             "spare-dies-idle": SpareDiesIdleHosts}
+             "spare-dies-idle": SpareDiesIdleHosts, "spare-dies-on-promotion": SpareDiesOnPromotionHosts}
 
 
 def main(kind: str, overrides: list[str]) -> int:

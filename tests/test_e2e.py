@@ -302,6 +302,22 @@ def test_a_spare_that_dies_while_idle_is_replaced_and_a_later_host_loss_still_he
 
 
 @pytest.mark.e2e
+def test_a_spare_that_dies_during_promotion_costs_one_retry_on_the_next_spare_not_the_group(run_dir):
+    # Two spares; the first one taken dies while the group's generation builds on it.
+    run = run_with_provider(run_dir, "spare-dies-on-promotion", "replicas=2", "steps=200", "faults=host@60:1",
+                            "hosts.spares=2", "hosts.provision_delay_s=1")
+    assert_recovered(run, "host", replica=1, replicas=2)
+    replaced = [e for e in run.events if e["event"] == "host_replaced"]
+    assert [e["spare"] for e in replaced[:2]] == [True, True], replaced
+    first, second = replaced[0]["host"], replaced[1]["host"]
+    assert first != second, "the group moved to the other spare"
+    lost = [e["host"] for e in run.events if e["event"] == "host_lost"]
+    assert lost[1:2] == [first], "the promoted spare was named lost, not the group"
+    assert run.summary["lost_replicas"] == [] and run.summary["restarts"]["0"] == 0
+    assert run.leftovers == [], run.leftovers
+
+
+@pytest.mark.e2e
 def test_a_replacement_slower_than_the_wait_is_used_by_the_retry_not_ordered_again(run_dir):
     # The provider takes 3.5 s and the slot waits 2 s at a time: a retry waits for the same
     # request (a new request per try would never come in time), so the group rejoins on the
