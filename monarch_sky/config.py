@@ -80,7 +80,7 @@ class HostSettings:
     max_replacements: int = 3  # local: replacement hosts available to the run
     spares: int = 0  # hosts kept up in no group (warm where a group is one host); a lost host's group takes one
     dead_after_s: float = 2.0  # a host that does not answer its probes is dead after this long
-    dead_after_refused_s: float = 0.5  # one whose worker refuses connections (it is gone) after this long
+    dead_after_refused_s: float = 0.2  # one whose worker refuses connections (it is gone): two refusals this far apart
 
 
 @dataclass

@@ -21,7 +21,7 @@ from monarch_sky import heal_budget, lighthouse_gate, supervision, tls
 from monarch_sky.checkpoint_policy import CheckpointPolicy
 from monarch_sky.config import Job, ranks_per_group
 from monarch_sky.context import RunContext, off_loop
-from monarch_sky.detection import HostWatchdog, exited_on_hosts
+from monarch_sky.detection import HostWatchdog, exited_on_hosts, probe_hosts
 from monarch_sky.generations import attach_hosts
 from monarch_sky.hosts import UP, HostProvider
 from monarch_sky.injector import FaultInjector
@@ -242,8 +242,7 @@ class Controller:
 
     async def _check(self, slot: Slot) -> None:
         group, hosts = slot.group, slot.hosts
-        probes = await asyncio.gather(*(self.ctx.provider.reach(h, DETECT_EVERY_S * 2) for h in hosts))
-        dead = self.watchdog.first_dead(hosts, probes, time.monotonic())
+        dead, probes = await probe_hosts(self.ctx.provider, hosts, self.watchdog, DETECT_EVERY_S * 2)
         if dead is not None:
             self.watchdog.forget(dead.address)
             slot.on_failure(group, f"host {dead.name} ({dead.address}) is unreachable", time.monotonic())

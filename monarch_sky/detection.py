@@ -132,12 +132,24 @@ def _spans(run: tuple[float, int], now: float, window_s: float) -> bool:
     return count >= 2 and now - first >= window_s
 
 
+async def probe_hosts(provider, hosts: list, watchdog: HostWatchdog, timeout_s: float):
+    """One round of probes by `watchdog`'s rule: the first host that now counts as dead (or
+    None) and what each probe found. A refusal is confirmed at once, `dead_after_refused_s`
+    later, instead of at the next round."""
+    probes = await asyncio.gather(*(provider.reach(h, timeout_s) for h in hosts))
+    dead = watchdog.first_dead(hosts, probes, time.monotonic())
+    if dead is None and REFUSED in probes:
+        await asyncio.sleep(watchdog.dead_after_refused_s)
+        probes = await asyncio.gather(*(provider.reach(h, timeout_s) for h in hosts))
+        dead = watchdog.first_dead(hosts, probes, time.monotonic())
+    return dead, probes
+
+
 async def first_dead_host(provider, hosts: list, watchdog: HostWatchdog, every_s: float):
     """Probe `hosts` until one counts as dead by `watchdog`'s rule; returns it. Watches a
     group whose generation is being built, which the controller's watchdog does not."""
     while True:
-        probes = await asyncio.gather(*(provider.reach(h, 2 * every_s) for h in hosts))
-        dead = watchdog.first_dead(hosts, probes, time.monotonic())
+        dead, _ = await probe_hosts(provider, hosts, watchdog, 2 * every_s)
         if dead is not None:
             return dead
         await asyncio.sleep(every_s)

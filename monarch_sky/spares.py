@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from monarch_sky.context import RunContext, off_loop
-from monarch_sky.detection import HostWatchdog, unless_a_host_dies
+from monarch_sky.detection import HostWatchdog, probe_hosts, unless_a_host_dies
 from monarch_sky.generations import PROBE_EVERY_S, PROBE_TIMEOUT_S, attach_hosts
 from monarch_sky.hosts import Host
 from monarch_sky.replica import ReplicaGroup
@@ -178,8 +178,7 @@ class SparePool:
     async def check(self) -> None:
         """Probe the idle spares (with the watchdog's rule); drop a dead or broken one."""
         spares = list(self.ready)
-        probes = await asyncio.gather(*(self.ctx.provider.reach(s.host, PROBE_TIMEOUT_S) for s in spares))
-        dead = self.watchdog.first_dead([s.host for s in spares], probes, time.monotonic())
+        dead, _ = await probe_hosts(self.ctx.provider, [s.host for s in spares], self.watchdog, PROBE_TIMEOUT_S)
         for spare in spares:
             if spare in self.ready and (spare.host == dead or self._broken(spare)):
                 self.ready.remove(spare)

@@ -99,7 +99,7 @@ def test_each_ratio_is_taken_per_round_and_reported_with_its_spread():
 
 @pytest.mark.chaos
 def test_a_tiny_bench_writes_every_arm_and_ratio(tmp_path):
-    """Every arm really trains (no faults in A and B, chaos in C, D, E, E') and is reported."""
+    """Every arm really trains (no faults in A and B, chaos in C, C', D, E, E') and is reported."""
     proc = subprocess.run(
         [sys.executable, "-m", "monarch_sky", "bench", "--steps", "40", "--replicas", "2", "--procs", "1",
          "--every-s", "3", "--kinds", "kill,host", "--ckpt-interval", "4", "--arm-timeout-s", "300",
@@ -109,14 +109,14 @@ def test_a_tiny_bench_writes_every_arm_and_ratio(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     [bench_dir] = tmp_path.iterdir()
     bench = json.loads((bench_dir / "bench.json").read_text())
-    assert set(bench["arms"]) == {"A_step", "A_diloco", "B", "C", "D", "E", "E_best"}
+    assert set(bench["arms"]) == {"A_step", "A_diloco", "B", "C", "C_spare", "D", "E", "E_best"}
     for key, arm in bench["arms"].items():
         # C may end degraded (exit 3): a group hit late can still be coming back at the end.
-        assert arm["exit_code"] in ((0, 3) if key == "C" else (0,)), (key, arm)
+        assert arm["exit_code"] in ((0, 3) if key in ("C", "C_spare") else (0,)), (key, arm)
         assert arm["committed_steps"] == 40, (key, arm)
         for fld in ("goodput", "work_rate", "step_efficiency", "time_to_target_s", "loss_at_target", "faults"):
             assert arm[fld] is not None, (key, fld)
-    assert sum(kind["count"] for arm in ("C", "D", "E", "E_best") for kind in bench["arms"][arm]["faults"].values()) > 0
+    assert sum(kind["count"] for arm in ("C", "C_spare", "D", "E", "E_best") for kind in bench["arms"][arm]["faults"].values()) > 0
     assert set(bench["ratios"]) == set(RATIOS) and all(v is not None for v in bench["ratios"].values())
     for name in ("bench.md", "steps_vs_time.png", "quorum_C.png"):
         assert (bench_dir / name).stat().st_size > 0

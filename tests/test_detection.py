@@ -105,3 +105,26 @@ def test_a_host_dying_under_a_build_is_named_by_the_build_watch():
     assert asyncio.run(watch()) == hosts[1]
     assert time.monotonic() - began >= 1.5, "declared dead only after failing for dead_after_s"
     listeners[0].close()
+
+
+def test_one_round_of_probes_confirms_a_refusal_at_once_but_not_silence():
+    from monarch_sky.detection import probe_hosts
+
+    up = socket.socket()
+    up.bind(("127.0.0.1", 0))
+    up.listen()
+    gone = socket.socket()
+    gone.bind(("127.0.0.1", 0))
+    gone_port = gone.getsockname()[1]
+    gone.close()
+    silent, queued = _silent_listener()
+    hosts = [Host("up", "127.0.0.1", up.getsockname()[1]), Host("gone", "127.0.0.1", gone_port),
+             Host("silent", "127.0.0.1", silent.getsockname()[1])]
+    watchdog = HostWatchdog(dead_after_s=5.0, dead_after_refused_s=0.2)
+    dead, probes = asyncio.run(probe_hosts(LocalHosts("unit-round"), hosts, watchdog, 0.3))
+    assert dead == hosts[1], "the refusing host is confirmed within the same round"
+    assert probes == [UP, REFUSED, SILENT]
+    dead, _ = asyncio.run(probe_hosts(LocalHosts("unit-round"), [hosts[0], hosts[2]], watchdog, 0.3))
+    assert dead is None, "a silent host waits out dead_after_s"
+    for s in (up, silent, queued):
+        s.close()

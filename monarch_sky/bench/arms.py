@@ -3,6 +3,8 @@
 A   monarch-sky, no faults (`ft.mode=step`, and `A_diloco` with `ft.mode=diloco`)
 B   TorchTitan alone: one torchrun, HSDP over the same processes, no TorchFT, no faults
 C   monarch-sky under the chaos schedule (its own injector)
+C'  (key C_spare) C with one hot spare host (`hosts.spares=1`): a lost host's group moves onto
+    it at once instead of waiting for a new host
 D   TorchTitan with periodic checkpoints under `torchrun --max-restarts`: any fault
     restarts the whole job from the last checkpoint; a host fault requeues the job
 E   TorchFT without Monarch, as TorchTitan documents it: a lighthouse started by hand and
@@ -34,12 +36,13 @@ LABELS = {
     "A_diloco": "A: monarch-sky, no faults (diloco)",
     "B": "B: TorchTitan alone (HSDP), no faults",
     "C": "C: monarch-sky, chaos",
+    "C_spare": "C': monarch-sky, chaos, one hot spare host",
     "D": "D: checkpoint + torchrun restart, chaos",
     "E": "E: TorchFT + torchrun, no Monarch, chaos",
     "E_best": "E': TorchFT + torchrun at its best, no Monarch, chaos",
 }
 UNSEEN_BY_TORCHRUN = ("stop", "hang")  # a frozen or hung rank never exits: torchrun waits on it
-MONARCH_ARMS = ("A_step", "A_diloco", "C")
+MONARCH_ARMS = ("A_step", "A_diloco", "C", "C_spare")
 
 
 @dataclass
@@ -97,8 +100,9 @@ def plan(key: str, name: str, s, bench_dir: Path, repo: Path) -> ArmPlan:
 def _monarch_cmd(key: str, name: str, s, bench_dir: Path) -> list[str]:
     cmd = [sys.executable, "-m", "monarch_sky", "train", *job_overrides(s),
            f"run_dir={bench_dir}", f"run_id={name}", f"ft.mode={'diloco' if key == 'A_diloco' else 'step'}"]
-    if key == "C":
-        cmd += [f"chaos.every_s={s.every_s}", f"chaos.kinds=[{','.join(s.kinds)}]", f"chaos.seed={s.seed}"]
+    if key in ("C", "C_spare"):
+        cmd += [f"chaos.every_s={s.every_s}", f"chaos.kinds=[{','.join(s.kinds)}]", f"chaos.seed={s.seed}",
+                f"hosts.spares={int(key == 'C_spare')}"]
     return cmd
 
 

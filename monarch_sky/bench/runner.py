@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROGRESS_EVERY_S = 30.0
 RATIOS = {  # name -> (arm, arm, field): the first arm's field over the second's
     "goodput C/D": ("C", "D", "goodput"),
+    "goodput C'/C": ("C_spare", "C", "goodput"),  # what one hot spare host buys
     "goodput C/E": ("C", "E", "goodput"),
     "goodput C/E'": ("C", "E_best", "goodput"),
     "work_rate C/D": ("C", "D", "work_rate"),
@@ -49,7 +50,7 @@ class BenchSettings:
     ckpt_interval: int = 10
     provision_delay_s: float = 3.0
     max_restarts: int = 20
-    arms: list[str] = field(default_factory=lambda: ["A_step", "B", "C", "D", "E", "E_best", "A_diloco"])
+    arms: list[str] = field(default_factory=lambda: ["A_step", "B", "C", "C_spare", "D", "E", "E_best", "A_diloco"])
     rounds: int = 1
     arm_timeout_s: float = 540.0
 
@@ -83,7 +84,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     for arm in s.arms:
         if arm not in arms_mod.LABELS:
             raise SystemExit(f"--arms: unknown arm '{arm}'; allowed: {','.join(arms_mod.LABELS)}")
-    if s.replicas < 2 and any(a in s.arms for a in ("C", "D", "E", "E_best")):
+    if s.replicas < 2 and any(a in s.arms for a in ("C", "C_spare", "D", "E", "E_best")):
         raise SystemExit("--replicas: the chaos arms need at least 2 replica groups to heal from")
     return s
 
