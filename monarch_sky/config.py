@@ -52,8 +52,9 @@ class FTSettings:
     join_timeout_ms: int = 10000  # the lighthouse waits this long for every group before a smaller quorum
     quorum_timeout_s: int = 60  # a group waiting this long for a TorchFT quorum fails its step
     timeout_s: int = 60  # TorchFT's manager timeout: each read of a heal transfer, should_commit
-    # How a rejoining group gets its state: "tcp" (snapshot, striped streams: heal_transport.py),
-    # "http" (TorchFT's default), "auto" (tcp)
+    # How a rejoining group gets its state: "tcp" (snapshot, striped streams: heal_tcp.py), "rdma"
+    # (the snapshot read through Monarch's RDMABuffer: heal_rdma.py), "http" (TorchFT's default),
+    # "auto" (rdma where Monarch sees ibverbs, else tcp)
     heal_transport: str = "auto"
     max_restarts: int = 3  # respawns of one replica group before it is given up
     standby: bool = True  # keep a warm spare process set per group: recovery skips imports
@@ -150,7 +151,8 @@ def ranks_per_group(cfg) -> int:
 
 
 def heal_transport(kind: str) -> str:
-    """The transport `ft.heal_transport` names. "auto": tcp, the fastest (`make bench-heal`)."""
+    """The transport whose rate budgets the heal. "auto": tcp's (the fastest here, `make bench-heal`;
+    where a trainer sees ibverbs it runs rdma, budgeted at the same GPU rate)."""
     return "tcp" if kind == "auto" else kind
 
 

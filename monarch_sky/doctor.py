@@ -197,6 +197,16 @@ def _collectives(plat) -> Check:
     return Check("ok", "collectives", f"{'RCCL' if plat.kind == 'rocm' else 'NCCL'} {version}")
 
 
+def heal_verdict(fabric: Fabric) -> str:
+    """What `ft.heal_transport=auto` runs on this node (heal_transport.resolve asks Monarch itself)."""
+    where = f"TCP on {fabric.iface}" if fabric.iface else "TCP"
+    if fabric.rdma_usable:
+        return ("heals (ft.heal_transport=auto: rdma) read a peer's snapshot through Monarch's RDMA buffers over "
+                f"ibverbs (tcp over {where} if Monarch finds no ibverbs device); `make bench-heal` measures both")
+    return (f"heals (ft.heal_transport=auto: tcp) run over {where}: no usable RDMA adapter, and Monarch's RDMA "
+            "TCP fallback is slower than tcp; `make bench-heal` measures the rate against raw TCP")
+
+
 def fabric_checks(fabric: Fabric, environ) -> list[Check]:
     """Each RDMA adapter, the device files, the verdict, and the NCCL_*/GLOO_*/HSA_* settings."""
     checks = [Check("ok" if h.active else "warn", "hca", str(h)) for h in fabric.hcas]
@@ -205,9 +215,7 @@ def fabric_checks(fabric: Fabric, environ) -> list[Check]:
     checks.append(Check("ok" if fabric.rdma_usable else "warn", "rdma", fabric.rdma_verdict()))
     if not fabric.rdma_usable and environ.get("NCCL_IB_DISABLE", "0") != "1":
         checks.append(Check("warn", "rdma", "NCCL_IB_DISABLE is not 1 although RDMA is unusable: RCCL may try the adapters and fail"))
-    where = f"TCP on {fabric.iface}" if fabric.iface else "TCP"
-    checks.append(Check("ok", "heal-transport", f"heals (ft.heal_transport=auto: tcp) run over {where}, with or "
-                        "without RDMA; `make bench-heal` measures the rate against raw TCP"))
+    checks.append(Check("ok", "heal-transport", heal_verdict(fabric)))
     settings = " ".join(f"{k}={environ[k]}" for k in sorted(environ) if k.startswith(ENV_PREFIXES))
     checks.append(Check("ok", "env", settings or "no NCCL_*, GLOO_* or HSA_* set: RCCL and gloo choose for themselves"))
     return checks

@@ -24,7 +24,10 @@ Rates (bytes/s, low end of what was measured; `make bench-heal` measures them he
 - `tcp` (the default): the serving rank snapshots into host memory and serves from there;
   the receiver pulls several streams straight into one mapped buffer. CPU state on the 2-core
   development machine: see `RATES`. Not yet measured on a GPU host: budgeted at HTTP's GPU rate.
+- `rdma`: the same snapshot read one-sided through Monarch's RDMABuffer. On GPU hosts not yet
+  measured: budgeted at HTTP's rate; on CPU Monarch's TCP fallback (no ibverbs here).
 - `http`: TorchFT's HTTPTransport (host memory at both ends, one stream, pickle).
+`auto` is budgeted as `tcp`: where it picks `rdma` (ibverbs) the GPU rates are the same.
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ GB = 1e9
 # (docs/gpu-check/README.md); `tcp` not measured there, so budgeted at HTTP's rate. CPU: the
 # 2-core development machine at 0.25-4 GB per rank (`make bench-heal`, 2026-12-01).
 RATES = {
-    "gpu": {"http": 0.41 * GB, "tcp": 0.41 * GB},
-    "cpu": {"http": 0.25 * GB, "tcp": 2.7 * GB},
+    "gpu": {"http": 0.41 * GB, "tcp": 0.41 * GB, "rdma": 0.41 * GB},
+    "cpu": {"http": 0.25 * GB, "tcp": 2.7 * GB, "rdma": 0.3 * GB},
 }
 HOSTS = {"cpu": "cpu", "rocm": "gpu", "cuda": "gpu"}
 # A last-resort checkpoint's pause: DCP's async staging into host memory, low end measured here

@@ -266,7 +266,7 @@ class Slot:
         self.ctx.record.event(
             "replica_rejoined", replica=self.index, generation=self.group.generation, step=r.step, recovered_from=source,
             heal_bytes=heal.nbytes, heal_step_s=heal.step_s, heal_s=heal.transfer_s, heal_gb_per_s=heal.gb_per_s,
-            heal_sources=dict(heal.sources), heal_transport=self.ctx.heal_transport,
+            heal_sources=dict(heal.sources), heal_transport=heal.path or self.ctx.heal_transport,
         )
         after = "".join(f", {rec.seconds(now):.2f}s after the {rec.fault.kind}" for rec in faults)
         rate = f" at {heal.gb_per_s:.2f} GB/s" if heal.gb_per_s else ""

@@ -26,6 +26,7 @@ class StepResult:
     heal_bytes: int = 0  # bytes of state the group's ranks received from a peer in this step
     heal_s: float = 0.0  # the longest of its ranks' transfers in this step
     heal_sources: tuple = ()  # (address, bytes) its ranks received from each source
+    heal_path: str = ""  # what the received bytes crossed ("tcp", "rdma (ibverbs)", ...; "": not said)
     served_bytes: int = 0  # bytes of state the group's ranks staged for a rejoining peer
     snapshot_s: float = 0.0  # the longest staging: how long serving held this group's step
     # Per rank (rank order): the dataloader state at the last point whose training stands;
@@ -44,10 +45,11 @@ class HealInfo:
     step_s: float  # its healing step, transfer included
     transfer_s: float  # the longest of its ranks' transfers (0: the transport does not say)
     sources: tuple = ()  # (address, bytes) per source
+    path: str = ""  # what the bytes crossed ("": the transport does not say)
 
     @classmethod
     def of(cls, r: "StepResult") -> "HealInfo":
-        return cls(r.heal_bytes, round(r.seconds, 3), round(r.heal_s, 3), r.heal_sources)
+        return cls(r.heal_bytes, round(r.seconds, 3), round(r.heal_s, 3), r.heal_sources, r.heal_path)
 
     @property
     def gb_per_s(self) -> float | None:
@@ -71,6 +73,7 @@ def combine(per_rank: list[StepResult]) -> StepResult:
         heal_bytes=sum(r.heal_bytes for r in per_rank),
         heal_s=max(r.heal_s for r in per_rank),
         heal_sources=_by_source(r.heal_sources for r in per_rank),
+        heal_path=next((r.heal_path for r in per_rank if r.heal_path), ""),
         served_bytes=sum(r.served_bytes for r in per_rank),
         snapshot_s=max(r.snapshot_s for r in per_rank),
         seconds=max(r.seconds for r in per_rank),

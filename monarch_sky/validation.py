@@ -21,7 +21,7 @@ class ConfigError(ValueError):
 
 CHOICES = {
     "ft.mode": ("step", "diloco"),
-    "ft.heal_transport": ("auto", "tcp", "http"),
+    "ft.heal_transport": ("auto", "tcp", "rdma", "http"),
     "hosts.provider": ("local", "addresses", "skypilot"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
     "checkpoint.async_mode": ("async", "async_with_pinned_mem"),

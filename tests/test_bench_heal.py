@@ -16,12 +16,12 @@ def test_every_transport_heals_bit_for_bit_and_is_compared_to_the_raw_ceiling(tm
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "bench-heal.json").read_text())
     rows = {r["transport"]: r for r in result["rows"]}
-    assert set(rows) == {"raw x1", "raw", "tcp", "tcp x2", "http", "pg_gloo"}
+    assert set(rows) == {"raw x1", "raw", "tcp", "tcp x2", "rdma", "http", "pg_gloo"}
     for kind, row in rows.items():
         assert row["equal"] is True, (kind, row)
         assert row["bytes"] >= 0.9 * 0.02e9 and row["gb_per_s"] > 0 and row["vs_raw"] > 0, (kind, row)
     assert max(rows["raw"]["vs_raw"], rows["raw x1"]["vs_raw"]) == 1.0
-    assert all(rows[k]["pause_s"] >= 0 for k in ("tcp", "tcp x2", "http", "pg_gloo"))
+    assert all(rows[k]["pause_s"] >= 0 for k in ("tcp", "tcp x2", "rdma", "http", "pg_gloo"))
     assert "| 0.02 | tcp |" in proc.stdout and (tmp_path / "heal.png").stat().st_size > 0
     report = subprocess.run([sys.executable, "-m", "monarch_sky", "report", str(tmp_path)], cwd=REPO, env=cli_env(),
                             capture_output=True, text=True, timeout=120)

@@ -74,7 +74,7 @@ def test_rdma_is_used_only_with_device_files_and_an_active_port(roots, state, us
     assert env["HSA_NO_SCRATCH_RECLAIM"] == "1"
     assert f"ok   rdma-devices {dev}/infiniband: uverbs0" in map(str, doctor.fabric_checks(fabric, {}))
     [heal] = [c for c in doctor.fabric_checks(fabric, {}) if c.name == "heal-transport"]
-    assert "heal_transport=auto: tcp" in heal.detail and "TCP on lo" in heal.detail
+    assert f"heal_transport=auto: {'rdma' if usable else 'tcp'}" in heal.detail and "TCP on lo" in heal.detail
 
 
 def test_preset_settings_are_kept(roots):

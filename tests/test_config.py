@@ -80,7 +80,7 @@ BAD = [
     (["checkpoint.keep=1"], ["checkpoint.keep", "0 (keep all) or at least 2"]),
     (["checkpoint.keep=-2"], ["checkpoint.keep", ">= 0"]),
     (["checkpoint.async_mode=sync"], ["checkpoint.async_mode", "async", "async_with_pinned_mem"]),
-    (["ft.heal_transport=rdma"], ["ft.heal_transport", "rdma", "auto", "tcp", "http"]),
+    (["ft.heal_transport=nccl"], ["ft.heal_transport", "nccl", "auto", "tcp", "rdma", "http"]),
     (["checkpoint.folder=s3://bucket/ck"], ["checkpoint.folder", "mount the bucket"]),
 ]
 

@@ -39,8 +39,9 @@ def assert_recovered(run: Run, kind: str, replica: int, replicas: int) -> dict:
     assert 12 * params <= fault["heal_bytes"] < 12 * params + 4096, fault["heal_bytes"]
     assert fault["heal_step_s"] > 0
     [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
-    assert rejoined["heal_transport"] == s["heal_transport"] in ("tcp", "http")
-    if s["heal_transport"] == "tcp":  # it times its transfers and names its sources
+    # the rejoin names the path the bytes took: "rdma (ibverbs)" or "rdma (tcp fallback)" for rdma
+    assert rejoined["heal_transport"].split()[0] == s["heal_transport"] in ("tcp", "rdma", "http")
+    if s["heal_transport"] in ("tcp", "rdma"):  # ours time their transfers and name their sources
         assert 0 < fault["heal_s"] <= fault["heal_step_s"] and fault["heal_gb_per_s"] > 0
         assert rejoined["heal_sources"], "the transport names the ranks it healed from"
     digests = s["final_param_digest"]
@@ -116,6 +117,15 @@ def test_a_kill_heals_over_torchfts_http_transport_too(run_dir):
     run = train(run_dir, "replicas=2", "steps=40", "faults=kill@10:1", "ft.heal_transport=http")
     assert_recovered(run, "kill", replica=1, replicas=2)
     assert run.summary["heal_transport"] == "http"
+
+
+def test_a_kill_heals_through_monarchs_rdma_buffers(run_dir):
+    # No RDMA adapter here: Monarch reads the buffers over its TCP fallback, the same one-sided
+    # reads an ibverbs node does in hardware.
+    run = train(run_dir, "replicas=2", "steps=40", "faults=kill@10:1", "ft.heal_transport=rdma")
+    assert_recovered(run, "kill", replica=1, replicas=2)
+    [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
+    assert rejoined["heal_transport"].startswith("rdma ("), rejoined
 
 
 @pytest.mark.e2e

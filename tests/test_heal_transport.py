@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from monarch_sky import heal_wire
-from monarch_sky.heal_transport import TCPHealTransport, fetch, stripes
+from monarch_sky.heal_tcp import TCPHealTransport, fetch, stripes
 from monarch_sky.heal_wire import HealWireError
 
 SECRET = os.urandom(32)

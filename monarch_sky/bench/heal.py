@@ -5,8 +5,10 @@ shards (fp32 weights and norms, each with AdamW's two moments, 64 MiB tensors at
 receiver heals from them. Per size (0.25, 1, 4 GB by default) and transport it measures:
 
 - `raw`: plain loopback TCP moving the same bytes between mapped buffers, on 1 and on
-  `heal_transport.STREAMS` connections: the ceiling, measured in the same run;
+  `heal_tcp.STREAMS` connections: the ceiling, measured in the same run;
 - `tcp` (monarch-sky's, 1 source) and `tcp x2` (striped over 2 senders of the same state);
+- `rdma` (monarch-sky's, the snapshot read through Monarch's RDMABuffer: ibverbs where the
+  machine has it, Monarch's TCP fallback here);
 - `http` (TorchFT's HTTPTransport) and `pg_gloo` (TorchFT's PGTransport over gloo).
 
 For each: the heal's seconds and GB/s (receiver: from the request to the state in hand), the
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from monarch_sky.bench.heal_procs import receiver, sender
 
-TRANSPORTS = ("raw x1", "raw", "tcp", "tcp x2", "http", "pg_gloo")
+TRANSPORTS = ("raw x1", "raw", "tcp", "tcp x2", "rdma", "http", "pg_gloo")
 STRIPE_MAX_GB = 1.0  # two senders of 4 GB each plus the receiver do not fit in 24 GB
 
 
@@ -70,7 +72,7 @@ class Bench:
         senders = [first, second] if kind == "tcp x2" else [first]
         for pipe in senders:
             pipe.send((kind, total, name, self.step_s))
-        if kind.startswith("tcp"):
+        if kind.startswith(("tcp", "rdma")):
             sources = [self._recv(pipe) for pipe in senders]
             recv.send((kind, total, name, sources))
         else:
@@ -99,7 +101,7 @@ class Bench:
 
 
 def _streams() -> int:
-    from monarch_sky.heal_transport import STREAMS
+    from monarch_sky.heal_tcp import STREAMS
 
     return STREAMS
 

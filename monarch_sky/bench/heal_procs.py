@@ -13,6 +13,7 @@ import time
 from datetime import timedelta
 
 MIB = 1 << 20
+OURS = ("tcp", "rdma")  # monarch-sky's transports: the receiver fetches from their addresses
 TENSOR_BYTES = 64 * MIB
 WIDTH = 1024
 
@@ -73,7 +74,8 @@ def _transport(kind: str, rank: int, store_addr: str, case: str, timeout: timede
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.process_group import ProcessGroupGloo
 
-    from monarch_sky.heal_transport import TCPHealTransport
+    from monarch_sky.heal_rdma import RDMAHealTransport
+    from monarch_sky.heal_tcp import TCPHealTransport
     from monarch_sky.heal_wire import secret_from_env
 
     if kind == "http":
@@ -82,7 +84,8 @@ def _transport(kind: str, rank: int, store_addr: str, case: str, timeout: timede
         pg = ProcessGroupGloo(timeout=timeout)
         pg.configure(f"{store_addr}/heal/{case}", "bench", rank, 2)
         return PGTransport(pg, timeout=timeout, device=torch.device("cpu"))
-    return TCPHealTransport("127.0.0.1", secret_from_env(), timeout.total_seconds())
+    built = RDMAHealTransport if kind == "rdma" else TCPHealTransport
+    return built("127.0.0.1", secret_from_env(), timeout.total_seconds())
 
 
 def sender(conn, store_addr: str, timeout_s: float) -> None:
@@ -91,7 +94,7 @@ def sender(conn, store_addr: str, timeout_s: float) -> None:
     from monarch_sky import heal_wire
 
     states: dict[int, dict] = {}
-    tcp: dict[int, object] = {}  # kept per size, its snapshot buffer mapped, as a trainer's is
+    ours: dict[tuple, object] = {}  # tcp, rdma: kept per size, the snapshot mapped (and registered) as a trainer's is
     timeout = timedelta(seconds=timeout_s)
     while (msg := conn.recv()) is not None:
         kind, total, case, step_s = msg
@@ -99,15 +102,16 @@ def sender(conn, store_addr: str, timeout_s: float) -> None:
             conn.send(_raw_send(conn, total))
             continue
         if total not in states:  # one size at a time: 4 GB of state and its snapshot is enough
-            for old in list(tcp.values()):
+            for old in list(ours.values()):
                 old.shutdown()
-            states.clear(), tcp.clear()
+            states.clear(), ours.clear()
             states[total] = make_state(total)
         state = states[total]
-        if kind.startswith("tcp") and total not in tcp:
-            tcp[total] = _transport("tcp", 0, store_addr, case, timeout)
-            tcp[total].prepare(heal_wire.layout(state)[3])
-        transport = tcp[total] if kind.startswith("tcp") else _transport(kind, 0, store_addr, case, timeout)
+        mine = kind.split()[0] if kind.startswith(OURS) else None
+        if mine and (mine, total) not in ours:
+            ours[mine, total] = _transport(mine, 0, store_addr, case, timeout)
+            ours[mine, total].prepare(heal_wire.layout(state)[3])
+        transport = ours[mine, total] if mine else _transport(kind, 0, store_addr, case, timeout)
         conn.send(transport.metadata() if hasattr(transport, "metadata") else "")
         conn.recv()  # the receiver has begun
         began = time.perf_counter()
@@ -119,24 +123,27 @@ def sender(conn, store_addr: str, timeout_s: float) -> None:
         pause = (sent - began) + (time.perf_counter() - blocked)
         conn.send({"pause_s": round(pause, 3)})
         conn.recv()  # the receiver is done: close
-        if not kind.startswith("tcp"):
+        if not mine:
             transport.shutdown(wait=False)
 
 
 def receiver(conn, store_addr: str, timeout_s: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from monarch_sky import heal_transport, heal_wire
+    from monarch_sky import heal_rdma, heal_tcp, heal_wire
 
     timeout = timedelta(seconds=timeout_s)
     while (msg := conn.recv()) is not None:
         kind, total, case, sources = msg
         if kind.startswith("raw"):
-            conn.send(_raw_recv(sources[0], total, 1 if kind == "raw x1" else heal_transport.STREAMS))
+            conn.send(_raw_recv(sources[0], total, 1 if kind == "raw x1" else heal_tcp.STREAMS))
             continue
-        if kind.startswith("tcp"):
+        if kind.startswith(OURS):
             into = heal_wire.host_buffer(receive_bytes(total))  # a rejoiner maps it while it builds
             began = time.perf_counter()
-            state, _ = heal_transport.fetch(sources, 7, heal_wire.secret_from_env(), timeout_s, into=into)
+            if kind == "rdma":
+                state, _, _ = heal_rdma.fetch(sources[0], 7, heal_wire.secret_from_env(), timeout_s, into=into)
+            else:
+                state, _ = heal_tcp.fetch(sources, 7, heal_wire.secret_from_env(), timeout_s, into=into)
         else:
             transport = _transport(kind, 1, store_addr, case, timeout)  # pg: meets the sender's
             conn.send("ready")
