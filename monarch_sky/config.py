@@ -70,7 +70,7 @@ class TimeoutSettings:
 
 @dataclass
 class HostSettings:
-    provider: str = "local"  # local | addresses | skypilot (see monarch_sky/hosts.py)
+    provider: str = "local"  # local | addresses | skypilot (see monarch_sky/host_choice.py)
     addresses: list[str] = field(default_factory=list)  # addresses: worker IP:PORT per host
     controller_ip: Optional[str] = None  # addresses: the IP the hosts reach the controller on
     recipe_yaml: Optional[str] = None  # skypilot: the recipe replacements are launched from

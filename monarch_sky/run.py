@@ -18,7 +18,9 @@ from monarch_sky.checkpoint_resume import (
 )
 from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
 from monarch_sky.controller import Controller
-from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider, make_provider, reap_run
+from monarch_sky.host_choice import make_provider
+from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider
+from monarch_sky.local_hosts import reap_run
 from monarch_sky.outcome import failed, stopped
 from monarch_sky.progress import STORY, Display, group_shape
 from monarch_sky.tracking import RunFinished, RunRecord, Tracker, previous_attempt

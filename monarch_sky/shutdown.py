@@ -16,7 +16,7 @@ import os
 import time
 
 from monarch_sky.context import RunContext, off_loop
-from monarch_sky.hosts import run_processes
+from monarch_sky.local_hosts import run_processes
 
 log = logging.getLogger(__name__)
 

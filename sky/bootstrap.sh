@@ -167,7 +167,7 @@ alive() {  # alive PID: running, not a zombie
 # Monarch 0.7.0 never attaches a controller to a new worker at the address of one that died
 # under it, so a worker started again (after a crash, or on a node that came back with its
 # $STATE) listens COMEBACK_PORT_STEP above the last one; the controller looks for it there
-# (monarch_sky/hosts.py, the same step). State files are named by the slot's first port.
+# (monarch_sky/address_hosts.py, the same step). State files are named by the slot's first port.
 COMEBACK_PORT_STEP=100
 WORKER_RESTARTS=${WORKER_RESTARTS:-3}  # a worker that dies on its own is started again this often
 

@@ -12,7 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from monarch_sky.hosts import Host, LocalHosts
+from monarch_sky.hosts import Host
+from monarch_sky.local_hosts import LocalHosts
 
 
 class FailsOnceHosts(LocalHosts):

@@ -8,7 +8,8 @@ import socket
 import asyncio
 
 from monarch_sky.detection import HostWatchdog
-from monarch_sky.hosts import REFUSED, SILENT, UP, Host, LocalHosts
+from monarch_sky.hosts import REFUSED, SILENT, UP, Host
+from monarch_sky.local_hosts import LocalHosts
 
 
 def _reach(port: int, timeout_s: float = 0.5) -> str:

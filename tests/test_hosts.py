@@ -9,7 +9,8 @@ import time
 import pytest
 
 from monarch_sky.address_hosts import AddressListHosts
-from monarch_sky.hosts import Host, HostError, LocalHosts, parse_address
+from monarch_sky.hosts import Host, HostError, parse_address
+from monarch_sky.local_hosts import LocalHosts
 
 
 def listening_socket() -> socket.socket:

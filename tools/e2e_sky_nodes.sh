@@ -20,7 +20,7 @@
 # comes back: a fresh slurmd in fresh namespaces at the same address, and the command SkyPilot
 # ran on that node (sky/bootstrap.sh, node rank 2, the same env) is started again inside the
 # same Slurm allocation (srun --overlap --jobid), which is what the recipe's HOST_REPLACEMENT=none
-# path waits for (monarch_sky/hosts.py AddressListHosts.replace: the node's worker once it
+# path waits for (monarch_sky/address_hosts.py AddressListHosts.replace: the node's worker once it
 # listens again, within hosts.provision_timeout_s). Monarch (torchmonarch 0.7.0) never attaches
 # a controller to a new worker at the address of one that died under it (`attach failed: ...
 # MESH_ATTACH_CONFIG_TIMEOUT`), so the bootstrap, finding its node-local state of the earlier
