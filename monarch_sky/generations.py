@@ -83,10 +83,14 @@ class Generations:
         self._say_replaced(lost, new, spares, round(time.monotonic() - began, 3))
 
     async def _take_spares(self, lost: list[Host]) -> dict:
-        """A ready spare (`monarch_sky.spares.Spare`) for each lost host the pool can cover."""
-        spares = {}
+        """A spare (`monarch_sky.spares.Spare`) for each lost host the pool can cover: a ready
+        one, else one still warming, waited for."""
+        spares, pool = {}, self.ctx.spares
         for host in lost:
-            if host not in self.orders and (spare := await self.ctx.spares.take(host)) is not None:
+            if host in self.orders:
+                continue
+            spare = await pool.take(host) or await pool.wait_for_warming(host, self.index)
+            if spare is not None:
                 spares[host] = spare
         return spares
 

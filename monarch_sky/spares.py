@@ -7,7 +7,9 @@ once instead of waiting for the provider (`Generations.replace_hosts`); its warm
 becomes the group's next generation, which only builds its trainer and heals from a peer.
 The provider then brings a new spare in the background: a new worker (local), the lost
 node's worker once it is back (address list), a launched cluster (SkyPilot). A group that
-loses a host while no spare is ready claims a refill still on its way (`claim_refill`).
+loses a host while no spare is ready claims, in this order, a spare still warming up
+(`wait_for_warming`: its rest of a warm-up is never longer than a new host's whole one), then a
+refill still on its way from the provider (`claim_refill`), and only then orders its own host.
 
 A spare whose host dies while idle, or whose warm processes fail, is dropped and refilled;
 a spare's host is never used by two groups, and every host the pool got is used, kept or
@@ -21,6 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from monarch_sky import test_hooks
 from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog, probe_hosts, unless_a_host_dies
 from monarch_sky.generations import PROBE_EVERY_S, PROBE_TIMEOUT_S, attach_hosts
@@ -30,6 +33,7 @@ from monarch_sky.supervision import describe_error, resolved
 
 MAX_FAILURES_IN_A_ROW = 3  # spares that failed to come up before the pool stops refilling
 SPARE_INDEX = -1  # a warm process set in no group yet
+WARM_STEPS = 3  # a warm-up's steps (attach, spawn, imports), each bounded by timeouts.spawn_s
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Spare:
     mesh: Any  # a HostMesh over this one host
     group: ReplicaGroup | None  # its warm process set (groups of one host), else None
     ready_at: float  # monotonic time it was ready
+    began: float = 0.0  # monotonic time its attach began
 
     def age_s(self, now: float) -> float:
         return round(now - self.ready_at, 3)
@@ -52,6 +57,9 @@ class SparePool:
         self.used = 0
         self.failures = 0  # spares in a row that failed to come up
         self.refills: dict[asyncio.Task, asyncio.Future] = {}  # refill (its _order) -> provider call in flight
+        self.warming: list[Host] = []  # hosts being attached and warmed (`_bring`)
+        self.claims: dict[Host, asyncio.Future] = {}  # warming host -> the group waiting for it
+        self.started = False  # the first spares are up: later ones are refills
         self.watchdog = HostWatchdog.of(ctx.cfg.hosts)
 
     @property
@@ -71,6 +79,7 @@ class SparePool:
             self.ctx.display.line(f"monarch-sky: hosts.spares={self.size} but only {len(hosts)} spare host(s) are up; "
                                   "a lost host beyond those waits for a replacement")
         await asyncio.gather(*(self._bring(host) for host in hosts))
+        self.started = True
 
     def refill(self, lost: Host) -> None:
         """A spare was used or dropped in place of `lost`: ask the provider for another."""
@@ -110,27 +119,71 @@ class SparePool:
             self.ctx.provider.give_back(call.result())
 
     async def _bring(self, host: Host) -> None:
-        """Attach `host` and warm a process set on it, watching the host meanwhile."""
-        ctx, began = self.ctx, time.monotonic()
+        """Attach `host` and warm a process set on it: the pool's spare, or the group's that
+        claimed it while it warmed."""
+        self.warming.append(host)
+        spare = None
+        try:
+            spare = await self._warm_watched(host)
+        finally:
+            self.warming.remove(host)
+            claim = self.claims.pop(host, None)
+            claimed = claim is not None and not claim.done()  # the claimant may have stopped waiting
+            if claimed:
+                claim.set_result(spare)  # None: it orders a host of its own
+        if spare is None or claimed:
+            return
+        self.ready.append(spare)
+        self._say_ready(spare)
+
+    def _say_ready(self, spare: Spare, claimed_by: int | None = None) -> None:
+        seconds = round(spare.ready_at - spare.began, 3)
+        self.ctx.record.event("spare_ready", host=spare.host.address, warm=spare.group is not None, seconds=seconds,
+                              pool=len(self.ready), **({} if claimed_by is None else {"claimed_by": claimed_by}))
+        to = "" if claimed_by is None else f" for replica {claimed_by}, which claimed it while it warmed"
+        self.ctx.display.line(f"monarch-sky: spare host {spare.host.name} ready ({'warm' if spare.group else 'attached'}, "
+                              f"{seconds:.1f}s){to}; pool {len(self.ready)}/{self.size}")
+
+    async def _warm_watched(self, host: Host) -> Spare | None:
+        """The spare on `host`, watching the host meanwhile; None (said and handled) if it failed."""
+        ctx = self.ctx
         work = asyncio.ensure_future(self._attach_and_warm(host))
         try:
             dead = await unless_a_host_dies(work, ctx.provider, [host], HostWatchdog.of(ctx.cfg.hosts), PROBE_EVERY_S)
             spare = work.result() if dead is None else None
         except Exception as e:
-            return await self._failed(host, describe_error(e), alive=await ctx.provider.probe(host, PROBE_TIMEOUT_S))
+            await self._failed(host, describe_error(e), alive=await ctx.provider.probe(host, PROBE_TIMEOUT_S))
+            return None
         if spare is None:
             work.cancel()
             ctx.keep(work)
-            return await self._failed(host, "its host died while it was being warmed", alive=False)
+            await self._failed(host, "its host died while it was being warmed", alive=False)
+            return None
         self.failures = 0
-        self.ready.append(spare)
-        ctx.record.event("spare_ready", host=host.address, warm=spare.group is not None,
-                         seconds=round(spare.ready_at - began, 3), pool=len(self.ready))
-        ctx.display.line(f"monarch-sky: spare host {host.name} ready ({'warm' if spare.group else 'attached'}, "
-                         f"{spare.ready_at - began:.1f}s); pool {len(self.ready)}/{self.size}")
+        return spare
+
+    async def wait_for_warming(self, lost: Host, replica: int) -> Spare | None:
+        """For a group that lost `lost` while no spare is ready: a spare still warming up,
+        waited for, or None if none is warming or it failed. The wait is bounded by what
+        bounds a warm-up (an attach and a spawn, each `timeouts.spawn_s`)."""
+        host = next((h for h in self.warming if h not in self.claims), None)
+        if host is None:
+            return None
+        claim = self.claims[host] = asyncio.get_running_loop().create_future()
+        self.ctx.record.event("spare_warming_claimed", replica=replica, host=host.address, instead_of=lost.address)
+        timeout_s = WARM_STEPS * self.ctx.cfg.timeouts.spawn_s + test_hooks.refill_warm_delay_s()
+        try:
+            spare = await asyncio.wait_for(claim, timeout_s)  # cancels the claim on timeout: the pool keeps it
+        except asyncio.TimeoutError:
+            return None
+        if spare is not None:
+            self.used += 1
+            self._say_ready(spare, claimed_by=replica)
+            self.refill(lost)
+        return spare
 
     async def _attach_and_warm(self, host: Host) -> Spare:
-        ctx = self.ctx
+        ctx, began = self.ctx, time.monotonic()
         mesh = await attach_hosts(ctx, [host])
         group = None
         if self.warm:
@@ -143,7 +196,9 @@ class SparePool:
                 ctx.forget_group(group)
                 group.proc_mesh = None  # the host may be dead: its worker stops them at the end
                 raise
-        return Spare(host, mesh, group, time.monotonic())
+        if self.started and test_hooks.refill_warm_delay_s():
+            await asyncio.sleep(test_hooks.refill_warm_delay_s())
+        return Spare(host, mesh, group, time.monotonic(), began)
 
     async def _failed(self, host: Host, reason: str, alive: bool) -> None:
         """A spare that could not be brought up: a dead host is fenced and replaced; a live

@@ -18,6 +18,7 @@ HEAL_TIMEOUT_ENV = "MONARCH_SKY_TEST_HEAL_TIMEOUT_S"
 LEAK_ENV = "MONARCH_SKY_TEST_LEAK"
 DIE_AFTER_COMMIT_ENV = "MONARCH_SKY_TEST_DIE_AFTER_COMMIT"
 FAIL_A_LOAD_ENV = "MONARCH_SKY_TEST_FAIL_A_LOAD"
+REFILL_WARM_DELAY_ENV = "MONARCH_SKY_TEST_REFILL_WARM_DELAY_S"
 
 
 def refuse_rejoin_commit() -> bool:
@@ -44,6 +45,12 @@ def heal_pace_bytes_per_s() -> float:
 def heal_timeout_s() -> float:
     """The heal transport's every bound, made small on purpose (0: the run's `ft.timeout_s`)."""
     return float(os.environ.get(HEAL_TIMEOUT_ENV, "0") or 0)
+
+
+def refill_warm_delay_s() -> float:
+    """A spare brought after the run's start (a refill) takes this much longer to warm: a long
+    warm-up made on purpose, for a loss to land in (0: none)."""
+    return float(os.environ.get(REFILL_WARM_DELAY_ENV, "0") or 0)
 
 
 def leak_a_process(replica: int, rank: int) -> None:

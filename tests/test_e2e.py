@@ -205,6 +205,30 @@ def test_a_second_host_loss_while_the_pool_refills_takes_the_refill_in_flight(ru
 
 
 @pytest.mark.e2e
+def test_a_second_host_loss_while_the_refill_warms_waits_for_that_spare_not_a_new_host(run_dir):
+    # One spare; a refill's warm-up is made 40 s longer (test hook), so group 1's loss, 15
+    # steps after group 0's, lands while the refill is warming. It claims that spare and
+    # waits for it instead of ordering a host, and the pool orders another for itself.
+    hook = {"MONARCH_SKY_TEST_REFILL_WARM_DELAY_S": "40"}
+    run = train(run_dir, "replicas=3", "steps=200", "faults=host@10:0,host@25:1", "hosts.spares=1",
+                "hosts.provision_delay_s=1", env=hook)
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert s["unplanned_failures"] == [] and s["lost_replicas"] == [], s
+    assert [(f["replica"], f["recovered_from"]) for f in s["faults"]] == [(0, "peer"), (1, "peer")], s["faults"]
+    assert [f["host_replaced"]["spare"] for f in s["faults"]] == [True, True], "group 1 ordered a host of its own"
+    [claim] = [e for e in run.events if e["event"] == "spare_warming_claimed"]
+    [delivered] = [e for e in run.events if e["event"] == "spare_ready" and "claimed_by" in e]
+    assert claim["replica"] == delivered["claimed_by"] == 1 and claim["host"] == delivered["host"]
+    replaced = [e for e in run.events if e["event"] == "host_replaced" and e["replica"] == 1]
+    assert [e["host"] for e in replaced] == [claim["host"]]
+    assert not [e for e in run.events if e["event"] == "spare_refill_claimed"]
+    assert s["spares"]["used"] == 2
+    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 3
+    assert run.leftovers == [], run.leftovers
+
+
+@pytest.mark.e2e
 def test_group_spanning_two_hosts_loses_one_and_heals_on_a_spare(run_dir):
     # Each group is one FSDP mesh over two hosts; the host fault takes one of group 1's, and
     # the spare host takes its place (attached, not warm: a spare holds no part of a group).
