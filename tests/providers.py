@@ -51,11 +51,29 @@ class DiesOnArrivalHosts(LocalHosts):
         return host
 
 
-class SpareDiesIdleHosts(LocalHosts):
-    """The first spare host (`hosts.spares`) dies two seconds after the run records it ready
-    (its `spare_ready` event), before any group needs it."""
+class WatchesEvents(LocalHosts):
+    """A provider that acts on what the run records (its events.jsonl)."""
 
     events: Path | None = None  # the run's events.jsonl, set by main
+
+    def wait_for_event(self, match, every_s: float) -> dict | None:
+        """The first event `match` accepts, polled every `every_s`; None once the provider closes."""
+        while not self._closed.wait(every_s):
+            if not self.events.exists():
+                continue
+            for line in self.events.read_text().splitlines():
+                try:
+                    event = json.loads(line)
+                except ValueError:  # a line still being written
+                    continue
+                if match(event):
+                    return event
+        return None
+
+
+class SpareDiesIdleHosts(WatchesEvents):
+    """The first spare host (`hosts.spares`) dies two seconds after the run records it ready
+    (its `spare_ready` event), before any group needs it."""
 
     def spare_hosts(self, count: int) -> list[Host]:
         hosts = super().spare_hosts(count)
@@ -64,19 +82,14 @@ class SpareDiesIdleHosts(LocalHosts):
         return hosts
 
     def _kill_once_ready(self, host: Host) -> None:
-        ready = f'"event": "spare_ready", "host": "{host.address}"'
-        while not self._closed.wait(0.5):
-            if self.events.exists() and ready in self.events.read_text():
-                time.sleep(2.0)
-                self.kill(host)
-                return
+        if self.wait_for_event(lambda e: e["event"] == "spare_ready" and e["host"] == host.address, 0.5):
+            time.sleep(2.0)
+            self.kill(host)
 
 
-class SpareDiesOnPromotionHosts(LocalHosts):
+class SpareDiesOnPromotionHosts(WatchesEvents):
     """The first spare a group takes dies as soon as the run records the group on it (its
     `host_replaced` event), while the group's new generation builds there."""
-
-    events: Path | None = None  # the run's events.jsonl, set by main
 
     def spare_hosts(self, count: int) -> list[Host]:
         hosts = super().spare_hosts(count)
@@ -84,17 +97,9 @@ class SpareDiesOnPromotionHosts(LocalHosts):
         return hosts
 
     def _kill_the_first_promoted(self, spares: list[Host]) -> None:
-        while not self._closed.wait(0.1):
-            if not self.events.exists():
-                continue
-            for line in self.events.read_text().splitlines():
-                try:
-                    event = json.loads(line)
-                except ValueError:  # a line still being written
-                    continue
-                if event["event"] == "host_replaced" and event["spare"]:
-                    self.kill(next(h for h in spares if h.address == event["host"]))
-                    return
+        event = self.wait_for_event(lambda e: e["event"] == "host_replaced" and e["spare"], 0.1)
+        if event:
+            self.kill(next(h for h in spares if h.address == event["host"]))
 
 
 class BrokenHosts(LocalHosts):
