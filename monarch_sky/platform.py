@@ -189,3 +189,16 @@ def force_sum_reduction(model_parts) -> None:
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 module.set_force_sum_reduction_for_comms(True)
+
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def keep_kernels_on_node(home: str | None = None) -> str:
+    """Keep what Inductor compiles (FlexAttention's tuned kernels on GPUs) in one folder per
+    node that outlives a process and a reboot, so a respawned group or a promoted spare loads
+    its kernels instead of tuning them again (Inductor's default, /tmp, is lost at a reboot).
+    A folder the user set is kept. Must run before the first compile in the process."""
+    if not os.environ.get(INDUCTOR_CACHE_ENV):
+        os.environ[INDUCTOR_CACHE_ENV] = os.path.join(home or os.path.expanduser("~"), ".cache", "monarch-sky", "inductor")
+    return os.environ[INDUCTOR_CACHE_ENV]

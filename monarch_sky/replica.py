@@ -46,6 +46,15 @@ class ReplicaActor(Actor):
         return time.perf_counter() - start
 
     @endpoint
+    def warm_up_step(self, spec: TrainerSpec, mode: str) -> float | None:
+        """A spare's step on dummy data (`monarch_sky.warm_up_step`); seconds, or None if skipped."""
+        from monarch.actor import current_rank
+
+        from monarch_sky.warm_up_step import warm_up_step
+
+        return warm_up_step(spec, mode, current_rank()["gpus"])
+
+    @endpoint
     def setup(self, spec: TrainerSpec, rejoining: bool, data: DataHandover) -> dict:
         """Build the trainer (after `warm`); TorchFT joins the lighthouse on the first step.
 
@@ -131,7 +140,7 @@ class ReplicaGroup:
         self.proc_mesh = None
         self.actors = None
         self.fault_actors = None
-        self.timings: dict[str, float] = {}  # boot_s, import_s (per rank, max), build_s
+        self.timings: dict[str, float] = {}  # boot_s, import_s, warm_up_step_s (per rank, max), build_s
         self.pids: list[list[int]] = []  # per host, its ranks' pids, once spawned
 
     def mark_failed(self, report: str) -> None:
@@ -160,6 +169,13 @@ class ReplicaGroup:
         self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor)
         imports = await self._call(self.actors.warm.call(), timeout_s)
         self.timings["import_s"] = round(max(imports.values()), 3)
+
+    async def warm_up_step(self, spec: TrainerSpec, mode: str, timeout_s: float) -> None:
+        """A spare's warm-up step on every rank (`ReplicaActor.warm_up_step`)."""
+        seconds = await self._call(self.actors.warm_up_step.call(spec, mode), timeout_s)
+        ran = [s for s in seconds.values() if s is not None]
+        if ran:
+            self.timings["warm_up_step_s"] = round(max(ran), 3)
 
     async def setup(self, spec: TrainerSpec, rejoining: bool, data: DataHandover, timeout_s: float) -> dict:
         """Build the trainer on every rank; the group joins TorchFT on its first step."""

@@ -2,9 +2,11 @@
 
 The pool holds up to `hosts.spares` hosts in no group, each attached (its own HostMesh) and,
 where a group is one host, holding a warm process set shaped like a group's generation
-(processes up, torch and torchtitan imported). A group that loses a host takes a spare at
-once instead of waiting for the provider (`Generations.replace_hosts`); its warm process set
-becomes the group's next generation, which only builds its trainer and heals from a peer.
+(processes up, torch and torchtitan imported, and on GPUs a warm-up step that leaves the
+recipe's compiled kernels in the node's cache: `hosts.spare_warm_up`, `warm_up_step`).
+A group that loses a host takes a spare at once instead of waiting for the provider
+(`Generations.replace_hosts`); its warm process set becomes the group's next generation,
+which only builds its trainer and heals from a peer.
 The provider then brings a new spare in the background: a new worker (local), the lost
 node's worker once it is back (address list), a launched cluster (SkyPilot). A group that
 loses a host while no spare is ready claims, in this order, a spare still warming up
@@ -28,12 +30,13 @@ from monarch_sky.context import RunContext, off_loop
 from monarch_sky.detection import HostWatchdog, probe_hosts, unless_a_host_dies
 from monarch_sky.generations import PROBE_EVERY_S, PROBE_TIMEOUT_S, attach_hosts
 from monarch_sky.hosts import Host
+from monarch_sky.recipes import TrainerSpec
 from monarch_sky.replica import ReplicaGroup
 from monarch_sky.supervision import describe_error, resolved
 
 MAX_FAILURES_IN_A_ROW = 3  # spares that failed to come up before the pool stops refilling
 SPARE_INDEX = -1  # a warm process set in no group yet
-WARM_STEPS = 3  # a warm-up's steps (attach, spawn, imports), each bounded by timeouts.spawn_s
+WARM_STEPS = 4  # a warm-up's steps (attach, spawn, imports, the warm-up step), each bounded by timeouts.spawn_s
 
 
 @dataclass
@@ -138,8 +141,10 @@ class SparePool:
 
     def _say_ready(self, spare: Spare, claimed_by: int | None = None) -> None:
         seconds = round(spare.ready_at - spare.began, 3)
+        step_s = spare.group.timings.get("warm_up_step_s") if spare.group is not None else None
         self.ctx.record.event("spare_ready", host=spare.host.address, warm=spare.group is not None, seconds=seconds,
-                              pool=len(self.ready), **({} if claimed_by is None else {"claimed_by": claimed_by}))
+                              warm_up_step_s=step_s, pool=len(self.ready),
+                              **({} if claimed_by is None else {"claimed_by": claimed_by}))
         to = "" if claimed_by is None else f" for replica {claimed_by}, which claimed it while it warmed"
         self.ctx.display.line(f"monarch-sky: spare host {spare.host.name} ready ({'warm' if spare.group else 'attached'}, "
                               f"{seconds:.1f}s){to}; pool {len(self.ready)}/{self.size}")
@@ -192,6 +197,8 @@ class SparePool:
             ctx.watch_group(group)
             try:
                 await group.spawn(ctx.proc_env([host]), ctx.cfg.timeouts.spawn_s)
+                spec = TrainerSpec.from_job(ctx.cfg, 0, ctx.dump_folder(0))  # the recipe's shapes: any group's
+                await group.warm_up_step(spec, ctx.cfg.hosts.spare_warm_up, ctx.cfg.timeouts.spawn_s)
             except BaseException:
                 ctx.forget_group(group)
                 group.proc_mesh = None  # the host may be dead: its worker stops them at the end

@@ -36,6 +36,7 @@ def import_torchtitan():
     """Import what a trainer needs (seconds of CPU: a warm standby does it in advance)."""
     plat = platform_mod.detect()
     platform_mod.limit_cpu_threads(plat)
+    platform_mod.keep_kernels_on_node()
     platform_mod.prepare_torchtitan(plat)
     import torchtitan.experiments.torchft.trainer  # noqa: F401
     import torchtitan.hf_datasets.text_datasets  # noqa: F401

@@ -23,6 +23,7 @@ CHOICES = {
     "ft.mode": ("step", "diloco"),
     "ft.heal_transport": ("auto", "tcp", "rdma", "http"),
     "hosts.provider": ("local", "addresses", "skypilot"),
+    "hosts.spare_warm_up": ("auto", "on", "off"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
     "checkpoint.async_mode": ("async", "async_with_pinned_mem"),
 }

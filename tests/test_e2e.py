@@ -168,7 +168,10 @@ def test_groups_with_different_weights_fail_the_run(run_dir):
 
 @pytest.mark.e2e  # ~3 min; make chaos also heals hosts on a spare
 def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(run_dir):
-    run = train(run_dir, "replicas=2", "steps=250", "faults=host@20:1", "hosts.spares=1", "hosts.provision_delay_s=2")
+    # The warm-up step GPUs take (`auto`) is run here too: it must leave the spare's processes
+    # fit to train, with weights that end equal to their peers'.
+    run = train(run_dir, "replicas=2", "steps=250", "faults=host@20:1", "hosts.spares=1", "hosts.provision_delay_s=2",
+                "hosts.spare_warm_up=on")
     fault = assert_recovered(run, "host", replica=1, replicas=2)
     assert fault["rank"] is None, "a host fault takes every rank"
     assert fault["steps_while_down"] > 0, "survivors committed no step while the host was gone"
@@ -178,6 +181,7 @@ def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(r
     assert replaced["spare"] and replaced["warm"] and replaced["host"] == first["host"], "the group took the warm spare"
     assert fault["host_replaced"]["spare"] is True
     assert refill["host"] not in (lost["host"], first["host"]), "the pool got a new host in place of the lost one"
+    assert first["warm_up_step_s"] > 0 and refill["warm_up_step_s"] > 0, "each spare ran its warm-up step"
     [rejoined] = [e for e in run.events if e["event"] == "replica_rejoined"]
     started = {(e["replica"], e["generation"]): e for e in run.events if e["event"] == "replica_started"}
     assert started[(1, rejoined["generation"])]["from_standby"], "the spare's processes were already up"
