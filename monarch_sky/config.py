@@ -80,7 +80,7 @@ class HostSettings:
     provision_timeout_s: float = 600.0  # give up on a replacement host after this
     max_replacements: int = 3  # local: replacement hosts available to the run
     spares: int = 0  # hosts kept up in no group (warm where a group is one host); a lost host's group takes one
-    spare_warm_up: str = "auto"  # a warm spare's step on dummy data, compiling the recipe's kernels: auto (GPUs) | on | off
+    spare_warm_up: str = "auto"  # a warm spare's step on dummy data, compiling the recipe's kernels: auto (GPUs) | always | never
     dead_after_s: float = 2.0  # a host that does not answer its probes is dead after this long
     dead_after_refused_s: float = 0.2  # one whose worker refuses connections (it is gone): two refusals this far apart
 

@@ -23,7 +23,7 @@ CHOICES = {
     "ft.mode": ("step", "diloco"),
     "ft.heal_transport": ("auto", "tcp", "rdma", "http"),
     "hosts.provider": ("local", "addresses", "skypilot"),
-    "hosts.spare_warm_up": ("auto", "on", "off"),
+    "hosts.spare_warm_up": ("auto", "always", "never"),
     "wandb.mode": ("auto", "online", "offline", "disabled"),
     "checkpoint.async_mode": ("async", "async_with_pinned_mem"),
 }
@@ -86,7 +86,8 @@ def validate(config: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(config, key)
         if value not in allowed:
-            raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}")
+            yaml = " (YAML reads on/off/yes/no as a boolean)" if isinstance(value, bool) else ""
+            raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}{yaml}")
     if config.training.warmup_steps > config.steps:
         raise ConfigError(
             f"training.warmup_steps: {config.training.warmup_steps} is more than steps={config.steps}; "

@@ -20,7 +20,7 @@ import torch
 from monarch_sky.recipes import RECIPES, TrainerSpec
 
 def wanted(mode: str, platform_kind: str) -> bool:
-    return mode == "on" or (mode == "auto" and platform_kind != "cpu")
+    return mode == "always" or (mode == "auto" and platform_kind != "cpu")
 
 
 def warm_up_step(spec: TrainerSpec, mode: str, local_index: int) -> float | None:

@@ -81,6 +81,7 @@ BAD = [
     (["checkpoint.keep=-2"], ["checkpoint.keep", ">= 0"]),
     (["checkpoint.async_mode=sync"], ["checkpoint.async_mode", "async", "async_with_pinned_mem"]),
     (["ft.heal_transport=nccl"], ["ft.heal_transport", "nccl", "auto", "tcp", "rdma", "http"]),
+    (["hosts.spare_warm_up=on"], ["hosts.spare_warm_up", "auto", "always", "never", "YAML reads on/off"]),
     (["checkpoint.folder=s3://bucket/ck"], ["checkpoint.folder", "mount the bucket"]),
 ]
 

@@ -171,7 +171,7 @@ def test_host_loss_with_a_spare_rejoins_on_the_warm_spare_and_the_pool_refills(r
     # The warm-up step GPUs take (`auto`) is run here too: it must leave the spare's processes
     # fit to train, with weights that end equal to their peers'.
     run = train(run_dir, "replicas=2", "steps=250", "faults=host@20:1", "hosts.spares=1", "hosts.provision_delay_s=2",
-                "hosts.spare_warm_up=on")
+                "hosts.spare_warm_up=always")
     fault = assert_recovered(run, "host", replica=1, replicas=2)
     assert fault["rank"] is None, "a host fault takes every rank"
     assert fault["steps_while_down"] > 0, "survivors committed no step while the host was gone"

@@ -22,14 +22,14 @@ def home(tmp_path, monkeypatch):
 
 def test_auto_warms_up_on_gpus_only():
     assert [wanted("auto", kind) for kind in ("rocm", "cuda", "cpu")] == [True, True, False]
-    assert wanted("on", "cpu") and not wanted("off", "rocm")
+    assert wanted("always", "cpu") and not wanted("never", "rocm")
 
 
 def test_the_warm_up_step_trains_nothing_and_leaves_the_process_as_it_was(home):
     spec = TrainerSpec.from_job(load_job([]).config, 0, str(home / "dump"))
     assert warm_up_step(spec, "auto", 0) is None, "the CPU path compiles nothing: auto skips it"
     before = (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads())
-    seconds = warm_up_step(spec, "on", 0)
+    seconds = warm_up_step(spec, "always", 0)
     assert seconds is not None and seconds > 0
     assert (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads()) == before
     assert os.environ[platform_mod.INDUCTOR_CACHE_ENV] == str(home / ".cache" / "monarch-sky" / "inductor")

@@ -129,13 +129,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="monarch-sky bench-scale", description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", default="2,4,8,16,32,64,128,256,512,1024", help="simulated group counts (default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=60.0, help="bound on every quorum wait (default: 60)")
+    p.add_argument("--heartbeat-timeout-ms", type=int, default=FTSettings.heartbeat_timeout_ms,
+                   help="the lighthouse's (default: monarch-sky's, %(default)s; TorchFT's own default is 5000)")
     p.add_argument("--out", default="runs/bench-scale", help="folder for scale.json and scale.png")
     args = p.parse_args(argv)
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at info
     counts = [int(x) for x in args.groups.split(",") if x.strip()]
     if not counts or min(counts) < 2:
         p.error("--groups: counts of at least 2, comma-separated (e.g. 2,4,64)")
-    ft, rows = FTSettings(), []
+    ft, rows = FTSettings(heartbeat_timeout_ms=args.heartbeat_timeout_ms), []
     print(f"[scale] lighthouse: heartbeat timeout {ft.heartbeat_timeout_ms} ms, quorum tick {ft.quorum_tick_ms} ms, "
           f"join timeout {ft.join_timeout_ms} ms")
     for n in counts:
