@@ -86,7 +86,7 @@ def validate(config: DictConfig) -> None:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(config, key)
         if value not in allowed:
-            yaml = " (YAML reads on/off/yes/no as a boolean)" if isinstance(value, bool) else ""
+            yaml = " (YAML reads on/off/yes/no as a boolean)" if str(value) in ("True", "False") else ""
             raise ConfigError(f"{key}: '{value}' is not one of {', '.join(allowed)}{yaml}")
     if config.training.warmup_steps > config.steps:
         raise ConfigError(
