@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test e2e chaos soak bench bench-heal bench-scale bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
+.PHONY: train test e2e chaos soak bench bench-heal bench-scale bench-scale-groups bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
 
 # torch first and pinned, so nothing after it can pull another build. With no GPU here, the CPU
 # wheel from PyTorch's CPU index (the default index has the multi-GB CUDA one); where that index
@@ -70,6 +70,11 @@ bench-heal: $(STAMP)
 # real lighthouse (monarch_sky/bench/scale.py; runs/bench-scale/scale.json and scale.png).
 bench-scale: $(STAMP)
 	$(PY) -m monarch_sky.bench.scale $(ARGS)
+
+# The same costs with the whole product: monarch-sky runs of 2, 4, 8, 16 real groups (1 process
+# each, one kill): runs/bench-scale-groups/scale-groups.json and .png (~25 min). ARGS="--groups 2,4"
+bench-scale-groups: $(STAMP)
+	$(PY) -m monarch_sky.bench.scale_groups $(ARGS)
 
 # Warm standby against cold respawn (a kill), hot spare against a new host (a host loss):
 # seconds from the fault to the group's rejoin. BENCH_RUNS=3, BENCH_ARMS=host/spare,host/replace

@@ -137,3 +137,15 @@ def test_the_scale_sweeps_smallest_point_regroups_without_a_lost_group_and_admit
     assert scale.main(["--groups", "2,3", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
     assert [r["groups"] for r in rows] == [2, 3] and (tmp_path / "scale.png").stat().st_size > 0
+
+
+def test_the_real_scale_sweeps_smallest_point_heals_the_killed_group(tmp_path):
+    """`make bench-scale-groups` at 2 groups: a whole run, its row read from the run record."""
+    from monarch_sky.bench import scale_groups
+
+    assert scale_groups.main(["--groups", "2", "--out", str(tmp_path), "--timeout-s", "900"]) == 0
+    [row] = json.loads((tmp_path / "scale-groups.json").read_text())["rows"]
+    assert row["groups"] == 2 and row["digests_equal"], row
+    assert 0 < row["detected_s"] <= row["survivors_resumed_s"] and row["detected_s"] <= row["rejoined_s"], row
+    assert row["first_step_s"] > 0 and row["step_s"] > 0 and row["start_s"] > 0, row
+    assert (tmp_path / "scale-groups.png").stat().st_size > 0
