@@ -5,8 +5,9 @@ whole product: `monarch-sky train` with N real groups of one process each (the t
 the real controller, lighthouse, warm standbys and TorchFT managers, and one kill of the last
 group a third of the way in. Per N, from the run record:
 
-- start_s: the run began -> every group's trainer built (spawns and imports, N at once);
-- first_step_s: every group built -> the first step all N committed together (TorchFT's
+- build_s: the run began -> every group's trainer built (spawns and imports, N at once);
+- standby_s: -> every group's warm standby up, training starts (N more spawns and imports);
+- first_step_s: training started -> the first step all N committed together (TorchFT's
   first quorum, the process groups' first configure, one step);
 - step_s: the median time between steps all N committed, before the fault;
 - detected_s, survivors_resumed_s, rejoined_s: the kill's times (`summary.json` faults).
@@ -54,13 +55,15 @@ def read_run(run: Path, n: int) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     began = next(e["wall"] for e in events if e["event"] == "run_started")
     built = max(e["wall"] for e in events if e["event"] == "replica_started" and e["generation"] == 0)
+    training = next(e["wall"] for e in events if e["event"] == "training_started")
     together = _steps_all_committed(steps, n)
     [fault] = summary["faults"]
     before_fault = [wall for step, wall in together if step < KILL_AT]
     gaps = [b - a for a, b in zip(before_fault, before_fault[1:])]
     return {
-        "start_s": round(built - began, 2),
-        "first_step_s": round(together[0][1] - built, 2),
+        "build_s": round(built - began, 2),
+        "standby_s": round(training - built, 2),
+        "first_step_s": round(together[0][1] - training, 2),
         "step_s": round(statistics.median(gaps), 3) if gaps else None,
         **{key: fault[key] for key in FAULT_KEYS},
         "digests_equal": len(set(summary["final_param_digest"].values())) == 1,
@@ -79,7 +82,8 @@ def _steps_all_committed(steps: list[dict], n: int) -> list[tuple[int, float]]:
 def describe(r: dict) -> str:
     if "failed" in r:
         return f"{r['groups']:3d} groups: FAILED ({r['failed']})"
-    return (f"{r['groups']:3d} groups: built in {r['start_s']:.1f}s, first step together {r['first_step_s']:.2f}s, "
+    return (f"{r['groups']:3d} groups: built in {r['build_s']:.1f}s, standbys in {r['standby_s']:.1f}s more, "
+            f"first step together {r['first_step_s']:.2f}s, "
             f"step {r['step_s']}s; kill detected {r['detected_s']}s, survivors resumed {r['survivors_resumed_s']}s, "
             f"rejoined {r['rejoined_s']}s; digests {'equal' if r['digests_equal'] else 'DIFFER'}")
 
@@ -91,7 +95,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     xs = [r["groups"] for r in rows]
-    for key, label in (("first_step_s", "first step together"), ("step_s", "step"), ("detected_s", "kill detected"),
+    for key, label in (("build_s", "groups built"), ("standby_s", "standbys warmed"), ("first_step_s", "first step together"), ("step_s", "step"), ("detected_s", "kill detected"),
                        ("survivors_resumed_s", "survivors resumed"), ("rejoined_s", "rejoined")):
         ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
