@@ -68,6 +68,7 @@ class HealBudget:
     ft_timeout_s: int  # TORCHFT_TIMEOUT_SEC
     quorum_timeout_s: int  # ft.quorum_timeout_s (TORCHFT_QUORUM_TIMEOUT_SEC)
     process_group_timeout_ms: int  # ft.process_group_timeout_ms
+    largest_tensor_ms: int  # moving the largest tensor shard: the floor of a collective's timeout
     step_s: float  # timeouts.step_s: a step that waits its quorum, then heals
     # How long a step that heals or serves a heal may run: recorded only. The hang check does
     # not need it (it pings the trainers, which answer while they heal).
@@ -117,6 +118,7 @@ def derive(
         ft_timeout_s=max(TORCHFT_TIMEOUT_S, math.ceil(heal_s)),
         quorum_timeout_s=quorum_s,
         process_group_timeout_ms=max(ft.process_group_timeout_ms, tensor_ms),
+        largest_tensor_ms=tensor_ms,
         step_s=max(timeouts.step_s, float(math.ceil(quorum_s + heal_s + median_step_s))),
         healing_step_s=max(timeouts.hang_s, float(math.ceil(heal_s + median_step_s))),
     )
@@ -156,7 +158,9 @@ def apply(cfg, platform_kind: str) -> dict:
     cfg.ft.timeout_s = max(cfg.ft.timeout_s, info["ft_timeout_s"])
     cfg.ft.quorum_timeout_s = max(cfg.ft.quorum_timeout_s, info["quorum_timeout_s"])
     cfg.timeouts.step_s = max(cfg.timeouts.step_s, info["step_s"])
-    cfg.ft.process_group_timeout_ms = max(cfg.ft.process_group_timeout_ms, info["process_group_timeout_ms"])
+    # A shorter collective timeout the user set is kept (it is how long survivors wait on a dead
+    # peer), raised only as far as moving the largest tensor shard needs.
+    cfg.ft.process_group_timeout_ms = max(cfg.ft.process_group_timeout_ms, info["largest_tensor_ms"])
     if cfg.checkpoint.every_min > 0:
         # The other groups wait for the saving one at their next quorum: the lighthouse must not
         # form a quorum without it (it would then heal from a peer), nor the wait time out.

@@ -118,6 +118,8 @@ def test_a_big_job_gets_its_heal_timeouts_raised_and_a_tiny_one_keeps_its_own():
     tiny = job("llama3_tiny", timeouts={"step_s": 240.0})
     apply(tiny, "cpu")
     assert (tiny.ft.timeout_s, tiny.ft.quorum_timeout_s, tiny.timeouts.step_s) == (60, 60, 240.0)  # never lowered
+    short = job("llama3_tiny", ft={"process_group_timeout_ms": 2000})
+    assert apply(short, "cpu")["applied"]["ft.process_group_timeout_ms"] == 2000, "a shorter collective timeout is kept"
     big = job("llama3_70b")
     budget = apply(big, "rocm")
     assert budget["transport"] == "tcp"
