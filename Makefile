@@ -72,7 +72,7 @@ bench-scale: $(STAMP)
 	$(PY) -m monarch_sky.bench.scale $(ARGS)
 
 # The same costs with the whole product: monarch-sky runs of 2, 4, 8, 16 real groups (1 process
-# each, one kill): runs/bench-scale-groups/scale-groups.json and .png (~25 min). ARGS="--groups 2,4"
+# each, one kill): runs/bench-scale-groups/scale-groups.json and .png (~10 min here). ARGS="--groups 2,4"
 bench-scale-groups: $(STAMP)
 	$(PY) -m monarch_sky.bench.scale_groups $(ARGS)
 

@@ -19,6 +19,7 @@ import torch
 
 from monarch_sky.recipes import RECIPES, TrainerSpec
 
+
 def wanted(mode: str, platform_kind: str) -> bool:
     return mode == "always" or (mode == "auto" and platform_kind != "cpu")
 

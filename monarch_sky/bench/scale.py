@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="runs/bench-scale", help="folder for scale.json and scale.png")
     args = p.parse_args(argv)
     os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse logs every quorum at info
-    counts = [int(x) for x in args.groups.split(",") if x.strip()]
-    if not counts or min(counts) < 2:
-        p.error("--groups: counts of at least 2, comma-separated (e.g. 2,4,64)")
+    counts = group_counts(p, args.groups, "2,4,64")
     ft, rows = FTSettings(heartbeat_timeout_ms=args.heartbeat_timeout_ms), []
     print(f"[scale] lighthouse: heartbeat timeout {ft.heartbeat_timeout_ms} ms, quorum tick {ft.quorum_tick_ms} ms, "
           f"join timeout {ft.join_timeout_ms} ms")
@@ -165,17 +163,31 @@ def describe(r: dict, ft: FTSettings) -> str:
             f"admit a newcomer {r['admit_s']:.3f}s ({beat})")
 
 
+def group_counts(parser: argparse.ArgumentParser, text: str, example: str) -> list[int]:
+    """`--groups`: comma-separated counts of at least 2 (a parser error otherwise)."""
+    counts = [int(x) for x in text.split(",") if x.strip()]
+    if not counts or min(counts) < 2:
+        parser.error(f"--groups: counts of at least 2, comma-separated (e.g. {example})")
+    return counts
+
+
 def plot(rows: list[dict], path: Path) -> None:
+    series = (("quorum_s", "first quorum"), ("regroup_s", "regroup after a loss"), ("admit_s", "admit a newcomer"))
+    plot_series(rows, series, "replica groups (simulated)", path)
+
+
+def plot_series(rows: list[dict], series, xlabel: str, path: Path) -> None:
+    """Seconds per (row key, label) in `series` against the group count; failed rows left out."""
     rows = [r for r in rows if "failed" not in r]
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4))
     ax = fig.subplots()
     xs = [r["groups"] for r in rows]
-    for key, label in (("quorum_s", "first quorum"), ("regroup_s", "regroup after a loss"), ("admit_s", "admit a newcomer")):
+    for key, label in series:
         ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("replica groups (simulated)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("seconds")
     ax.legend()
     fig.tight_layout()

@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from monarch_sky.bench.scale import group_counts, plot_series
+
 STEPS = 30
 KILL_AT = 10
 FAULT_KEYS = ("detected_s", "survivors_resumed_s", "rejoined_s")
@@ -89,21 +91,10 @@ def describe(r: dict) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    from matplotlib.figure import Figure
-
-    rows = [r for r in rows if "failed" not in r]
-    fig = Figure(figsize=(7, 4))
-    ax = fig.subplots()
-    xs = [r["groups"] for r in rows]
-    for key, label in (("build_s", "groups built"), ("standby_s", "standbys warmed"), ("first_step_s", "first step together"), ("step_s", "step"), ("detected_s", "kill detected"),
-                       ("survivors_resumed_s", "survivors resumed"), ("rejoined_s", "rejoined")):
-        ax.plot(xs, [r[key] for r in rows], marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("replica groups (real, 1 process each)")
-    ax.set_ylabel("seconds")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
+    series = (("build_s", "groups built"), ("standby_s", "standbys warmed"), ("first_step_s", "first step together"),
+              ("step_s", "step"), ("detected_s", "kill detected"), ("survivors_resumed_s", "survivors resumed"),
+              ("rejoined_s", "rejoined"))
+    plot_series(rows, series, "replica groups (real, 1 process each)", path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,9 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout-s", type=float, default=1800.0, help="bound on each run (default: 1800)")
     p.add_argument("--out", default="runs/bench-scale-groups", help="folder for the runs, scale-groups.json and .png")
     args = p.parse_args(argv)
-    counts = [int(x) for x in args.groups.split(",") if x.strip()]
-    if not counts or min(counts) < 2:
-        p.error("--groups: counts of at least 2, comma-separated (e.g. 2,4,8)")
+    counts = group_counts(p, args.groups, "2,4,8")
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     repo = Path(__file__).resolve().parents[2]
