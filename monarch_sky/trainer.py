@@ -79,6 +79,7 @@ class GroupTrainer:
         ft = self.spec.ft
         self.transport = heal_transport.install(self.manager, ft["heal_transport"], ft["timeout_s"])
         self._quorum = QuorumMembers(self.manager)
+        platform_mod.close_links_on_error(self.manager)
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
         # TorchFT's commit decision is kept as it said it: inferring it from the step counter

@@ -140,12 +140,22 @@ def test_the_scale_sweeps_smallest_point_regroups_without_a_lost_group_and_admit
 
 
 def test_the_real_scale_sweeps_smallest_point_heals_the_killed_group(tmp_path):
-    """`make bench-scale-groups` at 2 groups: a whole run, its row read from the run record."""
+    """`make bench-scale-groups` at 4 groups: a whole run, its row read from the run record.
+
+    With 4 groups a survivor that is not the dead group's ring neighbour blocks in gloo's recv
+    until `ft.process_group_timeout_ms`, and the others' quorum waits `ft.join_timeout_ms` for
+    it, unless the neighbours free their failed process group at once
+    (`platform.close_links_on_error`). Both are set far above a step, so that survivors which
+    waited them out cannot pass for survivors that resumed."""
     from monarch_sky.bench import scale_groups
 
-    assert scale_groups.main(["--groups", "2", "--out", str(tmp_path), "--timeout-s", "900"]) == 0
+    wait_s = 60
+    assert scale_groups.main(["--groups", "4", "--out", str(tmp_path), "--timeout-s", "900",
+                              "--set", f"ft.process_group_timeout_ms={wait_s * 1000}",
+                              "--set", f"ft.join_timeout_ms={wait_s * 1000}"]) == 0
     [row] = json.loads((tmp_path / "scale-groups.json").read_text())["rows"]
-    assert row["groups"] == 2 and row["digests_equal"], row
+    assert row["groups"] == 4 and row["digests_equal"], row
+    assert row["survivors_resumed_s"] < wait_s / 2, f"the survivors waited for the one stuck in a collective: {row}"
     assert 0 < row["detected_s"] <= row["survivors_resumed_s"] and row["detected_s"] <= row["rejoined_s"], row
     assert min(row["build_s"], row["standby_s"], row["first_step_s"], row["step_s"]) > 0, row
     assert (tmp_path / "scale-groups.png").stat().st_size > 0

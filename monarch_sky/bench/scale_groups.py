@@ -33,11 +33,12 @@ KILL_AT = 10
 FAULT_KEYS = ("detected_s", "survivors_resumed_s", "rejoined_s")
 
 
-def measure(n: int, out: Path, timeout_s: float, repo: Path) -> dict:
-    """One run of N groups; its row (with `failed` if the run did not end well)."""
+def measure(n: int, out: Path, timeout_s: float, repo: Path, settings: list[str] = ()) -> dict:
+    """One run of N groups (`settings`: more KEY=VALUE for `monarch-sky train`); its row (with
+    `failed` if the run did not end well)."""
     run_id = f"groups-{n}-{time.strftime('%Y%m%d-%H%M%S')}"  # an existing run id would resume that run
     cmd = [sys.executable, "-m", "monarch_sky", "train", f"replicas={n}", "procs_per_replica=1", f"steps={STEPS}",
-           f"faults=kill@{KILL_AT}:{n - 1}", "wandb.mode=disabled", f"run_dir={out}", f"run_id={run_id}"]
+           f"faults=kill@{KILL_AT}:{n - 1}", "wandb.mode=disabled", f"run_dir={out}", f"run_id={run_id}", *settings]
     log = out / f"{run_id}.log"
     began = time.monotonic()
     with open(log, "w") as f:
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--groups", default="2,4,8,16", help="real group counts (default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="bound on each run (default: 1800)")
     p.add_argument("--out", default="runs/bench-scale-groups", help="folder for the runs, scale-groups.json and .png")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a setting for every run, as `monarch-sky train` takes it (repeatable)")
     args = p.parse_args(argv)
     counts = group_counts(p, args.groups, "2,4,8")
     out = Path(args.out).resolve()
@@ -110,9 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for n in counts:
         print(f"[scale-groups] {n} groups: running ({STEPS} steps, a kill at step {KILL_AT})", flush=True)
-        rows.append(measure(n, out, args.timeout_s, repo))
+        rows.append(measure(n, out, args.timeout_s, repo, args.set))
         print(f"[scale-groups] {describe(rows[-1])}", flush=True)
-    (out / "scale-groups.json").write_text(json.dumps({"steps": STEPS, "kill_at": KILL_AT, "rows": rows}, indent=2) + "\n")
+    record = {"steps": STEPS, "kill_at": KILL_AT, "settings": args.set, "rows": rows}
+    (out / "scale-groups.json").write_text(json.dumps(record, indent=2) + "\n")
     plot(rows, out / "scale-groups.png")
     print(f"[scale-groups] {out / 'scale-groups.json'}, {out / 'scale-groups.png'}")
     return 0 if all("failed" not in r for r in rows) else 1
