@@ -215,8 +215,10 @@ def close_links_on_error(manager) -> None:
     waits for it. Freed, the connections close and that survivor's wait fails at once (20 ms
     against 10 s with 4 gloo ranks, measured). TorchFT builds a new group at the next quorum,
     as after any failed commit. The group is freed off gloo's own threads, whose destructor
-    joins them.
-    Call it on the thread that trains."""
+    joins them. Call it on the thread that trains.
+
+    gloo only: whether NCCL/RCCL's survivors wait the same way, and whether an early abort
+    releases them, is not measured (no GPU lent yet)."""
     report, trainer_thread = manager.report_error, threading.current_thread()
 
     def report_error(e: Exception) -> None:

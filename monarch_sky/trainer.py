@@ -79,9 +79,9 @@ class GroupTrainer:
         ft = self.spec.ft
         self.transport = heal_transport.install(self.manager, ft["heal_transport"], ft["timeout_s"])
         self._quorum = QuorumMembers(self.manager)
-        platform_mod.close_links_on_error(self.manager)
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
+            platform_mod.close_links_on_error(self.manager)
         # TorchFT's commit decision is kept as it said it: inferring it from the step counter
         # is wrong after a heal, which sets the counter to the quorum's step before deciding.
         self.state = register_with_torchft(self.manager, trainer, self._mark_healed, self._keep_decision)

@@ -156,7 +156,8 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
     - monarch-sky's heal transport (`ft.heal_transport`), as C uses it;
     - the wait for the step's quorum before `should_commit` (a torchft 0.2.0 bug, see
       `healing.register_with_torchft`);
-    - C's CPU priority policy for trainers.
+    - C's CPU priority policy for trainers;
+    - on gloo, the failed process group freed at a step's first error (`platform.close_links_on_error`).
     """
     from monarch_sky import heal_transport
     from monarch_sky import platform as platform_mod
@@ -168,6 +169,8 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
     manager.register_state_dict_fn("titan_step", lambda s: setattr(trainer, "step", s["step"]),
                                    lambda: {"step": trainer.step})
     platform_mod.yield_cpu_to_recovery(plat.kind)
+    if plat.backend == "gloo":
+        platform_mod.close_links_on_error(manager)
 
 
 def _recast(cls, config):
