@@ -23,7 +23,8 @@ The timeouts a heal runs under (torchft 0.2.0, `torchft/manager.py`):
 Rates (bytes/s, low end of what was measured; `make bench-heal` measures them here):
 - `tcp` (the default): the serving rank snapshots into host memory and serves from there;
   the receiver pulls several streams straight into one mapped buffer. CPU state on the 2-core
-  development machine: see `RATES`. Not yet measured on a GPU host: budgeted at HTTP's GPU rate.
+  development machine: see `RATES`. GPU state on an H200 host over loopback: 4.5-7.1 GB/s
+  (2026-12-04); not yet between GPU hosts, so budgeted at HTTP's GPU rate.
 - `rdma`: the same snapshot read one-sided through Monarch's RDMABuffer. On GPU hosts not yet
   measured: budgeted at HTTP's rate; on CPU Monarch's TCP fallback (no ibverbs here).
 - `http`: TorchFT's HTTPTransport (host memory at both ends, one stream, pickle).
@@ -44,7 +45,8 @@ FIXED_S = 10.0  # connect, metadata RPC, snapshot, load into the parameters
 TORCHFT_TIMEOUT_S = 60  # torchft Manager's default `timeout` (manager.py:169)
 GB = 1e9
 # Low end of each measured range, bytes/s. GPU: state on an H200 host at 1-8.5 GB
-# (docs/gpu-check/README.md); `tcp` not measured there, so budgeted at HTTP's rate. CPU: the
+# (docs/gpu-check/README.md). `tcp` moved 4.5-7.1 GB/s there, but over loopback: between hosts
+# the network sets it, so it is budgeted at HTTP's rate, a floor. CPU: the
 # 2-core development machine at 0.25-4 GB per rank (`make bench-heal`, 2026-12-01).
 RATES = {
     "gpu": {"http": 0.41 * GB, "tcp": 0.41 * GB, "rdma": 0.41 * GB},

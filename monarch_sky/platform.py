@@ -214,7 +214,7 @@ def close_links_on_error(manager) -> None:
     group's ring neighbour waits in recv for `ft.process_group_timeout_ms`, and the next quorum
     waits for it. Freed, the connections close and that survivor's wait fails at once (20 ms
     against 10 s with 4 gloo ranks, measured). TorchFT builds a new group at the next quorum,
-    as after any failed commit. The group is freed off gloo's own threads, whose destructor
+    as after any failed commit (its lighthouse bumps the quorum id when a member reports one). The group is freed off gloo's own threads, whose destructor
     joins them. Call it on the thread that trains.
 
     gloo only: whether NCCL/RCCL's survivors wait the same way, and whether an early abort

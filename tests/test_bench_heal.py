@@ -26,3 +26,10 @@ def test_every_transport_heals_bit_for_bit_and_is_compared_to_the_raw_ceiling(tm
     report = subprocess.run([sys.executable, "-m", "monarch_sky", "report", str(tmp_path)], cwd=REPO, env=cli_env(),
                             capture_output=True, text=True, timeout=120)
     assert report.returncode == 0 and "| 0.02 | tcp |" in report.stdout, report.stderr
+
+
+def test_an_unknown_transport_is_refused_by_name(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "monarch_sky.bench.heal", "--transports", "tcp,nccl",
+                           "--out", str(tmp_path)], cwd=REPO, env=cli_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--transports: unknown nccl" in proc.stderr, proc.stderr
+    assert not (tmp_path / "bench-heal.json").exists()

@@ -25,7 +25,7 @@ import multiprocessing as mp
 import os
 from pathlib import Path
 
-from monarch_sky.bench.heal_procs import receiver, sender
+from monarch_sky.bench.heal_procs import COPIES, receiver, sender
 
 TRANSPORTS = ("raw x1", "raw", "tcp", "tcp x2", "rdma", "http", "pg_gloo")
 STRIPE_MAX_GB = 1.0  # two senders of 4 GB each plus the receiver do not fit in 24 GB
@@ -35,7 +35,7 @@ STRIPE_MAX_GB = 1.0  # two senders of 4 GB each plus the receiver do not fit in 
 
 
 class Bench:
-    def __init__(self, timeout_s: float, step_s: float):
+    def __init__(self, timeout_s: float, step_s: float, device: str = "cpu"):
         from torch.distributed import TCPStore
 
         self.timeout_s, self.step_s = timeout_s, step_s
@@ -46,7 +46,7 @@ class Bench:
         self.pipes, self.procs = [], []
         for target in (sender, sender, receiver):
             mine, theirs = ctx.Pipe()
-            proc = ctx.Process(target=target, args=(theirs, store_addr, timeout_s), daemon=True)
+            proc = ctx.Process(target=target, args=(theirs, store_addr, timeout_s, device), daemon=True)
             proc.start()
             self.pipes.append(mine)
             self.procs.append(proc)
@@ -61,6 +61,9 @@ class Bench:
         self.cases += 1
         name = f"{kind.replace(' ', '')}-{self.cases}"
         first, second, recv = self.pipes
+        if kind in COPIES:
+            recv.send((kind, total, name, None))
+            return self._recv(recv)
         if kind.startswith("raw"):
             first.send((kind, total, name, self.step_s))
             address = self._recv(first)
@@ -106,13 +109,14 @@ def _streams() -> int:
     return STREAMS
 
 
-def run(sizes_gb: list[float], out: Path, timeout_s: float, step_s: float) -> dict:
-    bench = Bench(timeout_s, step_s)
+def run(sizes_gb: list[float], out: Path, timeout_s: float, step_s: float, device: str = "cpu",
+        transports: tuple[str, ...] = TRANSPORTS) -> dict:
+    bench = Bench(timeout_s, step_s, device)
     rows = []
     try:
         for gb in sizes_gb:
             total = int(gb * 1e9)
-            for kind in TRANSPORTS:
+            for kind in transports:
                 if kind == "tcp x2" and gb > STRIPE_MAX_GB:
                     continue
                 try:
@@ -125,10 +129,11 @@ def run(sizes_gb: list[float], out: Path, timeout_s: float, step_s: float) -> di
                 rows.append(row)
                 print(f"[bench-heal] {gb:5.2f} GB  {kind:8s} " + (
                     f"{row['gb_per_s']:6.2f} GB/s  {row['seconds']:7.2f}s  pause {row.get('pause_s', '-')}  "
+                    + (f"to device {row['to_device_s']}s  " if row.get("to_device_s") else "") +
                     f"equal {row['equal']}" if "seconds" in row else row["error"]), flush=True)
     finally:
         bench.close()
-    result = {"sizes_gb": sizes_gb, "step_s": step_s, "rows": with_ratios(rows), "cpus": os.cpu_count()}
+    result = {"sizes_gb": sizes_gb, "step_s": step_s, "device": device, "rows": with_ratios(rows), "cpus": os.cpu_count()}
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench-heal.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "heal.png")
@@ -168,7 +173,7 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for kind in TRANSPORTS:
+    for kind in (*TRANSPORTS, *COPIES):
         pts = [(r["gb"], r["seconds"]) for r in result["rows"] if r["transport"] == kind and "seconds" in r]
         if pts:
             ax.plot(*zip(*pts), marker="o", label=kind)
@@ -187,11 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gb", default="0.25,1,4", help="state per rank, GB, comma-separated (default: 0.25,1,4)")
     p.add_argument("--out", default="runs/bench-heal", help="folder for bench-heal.json and heal.png")
     p.add_argument("--timeout-s", type=float, default=300.0, help="bound on every wait (default: 300)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the serving and healing ranks hold the state (cuda: a GPU's, which adds the "
+                        "host<->device copy rates as rows; default: cpu)")
+    p.add_argument("--transports", default=",".join(TRANSPORTS),
+                   help="which to run, comma-separated (default: %(default)s)")
     p.add_argument("--step-s", type=float, default=0.2,
                    help="the serving rank's step after the heal began, for its pause (default: 0.2)")
     args = p.parse_args(argv)
     sizes = [float(x) for x in args.gb.split(",") if x.strip()]
-    result = run(sizes, Path(args.out), args.timeout_s, args.step_s)
+    transports = tuple(t.strip() for t in args.transports.split(",") if t.strip())
+    if unknown := [t for t in transports if t not in TRANSPORTS]:
+        p.error(f"--transports: unknown {', '.join(unknown)}; choose from {', '.join(TRANSPORTS)}")
+    if args.device == "cuda":
+        transports += COPIES
+    result = run(sizes, Path(args.out), args.timeout_s, args.step_s, args.device, transports)
     print(table(result))
     print(f"[bench-heal] {Path(args.out) / 'bench-heal.json'}, {Path(args.out) / 'heal.png'}")
     return 0 if all(r.get("equal") for r in result["rows"]) else 1

@@ -26,10 +26,10 @@ def shapes(total: int) -> list[tuple[str, tuple[int, ...]]]:
             for kind, shape in (("w", (per_param // (4 * WIDTH), WIDTH)), ("norm", (WIDTH,)))]
 
 
-def tensor(index: int, shape) -> "torch.Tensor":
+def tensor(index: int, shape, device: str = "cpu") -> "torch.Tensor":
     import torch
 
-    return (torch.arange(math.prod(shape), dtype=torch.float32) * 1e-3 + index).view(shape)
+    return (torch.arange(math.prod(shape), dtype=torch.float32, device=device) * 1e-3 + index).view(shape)
 
 
 def receive_bytes(total: int) -> int:
@@ -39,27 +39,28 @@ def receive_bytes(total: int) -> int:
     return rule([4 * math.prod(shape) for _, shape in shapes(total)], copies=3)
 
 
-def make_state(total: int) -> dict:
+def make_state(total: int, device: str = "cpu") -> dict:
     import torch
 
     model, opt, i = {}, {}, 0
     for name, shape in shapes(total):
-        model[name] = tensor(i, shape)
-        opt[name] = {"exp_avg": tensor(i + 1, shape), "exp_avg_sq": tensor(i + 2, shape), "step": torch.tensor(7.0)}
+        model[name] = tensor(i, shape, device)
+        opt[name] = {"exp_avg": tensor(i + 1, shape, device), "exp_avg_sq": tensor(i + 2, shape, device),
+                     "step": torch.tensor(7.0)}
         i += 3
     return {"user": {"monarch_sky": {"model": model, "optimizer": [opt], "ntokens_seen": 123,
                                      "param_groups": [[{"lr": 3e-4, "betas": (0.9, 0.95)}]]}},
             "torchft": {"step": 7, "batches_committed": 14}}
 
 
-def verify(state: dict, total: int) -> tuple[bool, int]:
+def verify(state: dict, total: int, device: str = "cpu") -> tuple[bool, int]:
     import torch
 
     s, ok, nbytes, i = state["user"]["monarch_sky"], True, 0, 0
     for name, shape in shapes(total):
         got = [s["model"][name], s["optimizer"][0][name]["exp_avg"], s["optimizer"][0][name]["exp_avg_sq"]]
         for k, t in enumerate(got):
-            ok = ok and torch.equal(t, tensor(i + k, shape))
+            ok = ok and t.device.type == device and torch.equal(t, tensor(i + k, shape, device))
             nbytes += t.numel() * t.element_size()
         i += 3
     return bool(ok and s["param_groups"][0][0]["betas"] == (0.9, 0.95)), nbytes
@@ -88,8 +89,9 @@ def _transport(kind: str, rank: int, store_addr: str, case: str, timeout: timede
     return built("127.0.0.1", secret_from_env(), timeout.total_seconds())
 
 
-def sender(conn, store_addr: str, timeout_s: float) -> None:
-    """Holds a state per size; serves it over the transport each case names."""
+def sender(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> None:
+    """Holds a state per size (on `device`, as a trainer holds it); serves it over the
+    transport each case names."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from monarch_sky import heal_wire
 
@@ -105,7 +107,7 @@ def sender(conn, store_addr: str, timeout_s: float) -> None:
             for old in list(ours.values()):
                 old.shutdown()
             states.clear(), ours.clear()
-            states[total] = make_state(total)
+            states[total] = make_state(total, device)
         state = states[total]
         mine = kind.split()[0] if kind.startswith(OURS) else None
         if mine and (mine, total) not in ours:
@@ -127,7 +129,9 @@ def sender(conn, store_addr: str, timeout_s: float) -> None:
             transport.shutdown(wait=False)
 
 
-def receiver(conn, store_addr: str, timeout_s: float) -> None:
+def receiver(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> None:
+    """Heals each case's state; on a GPU the state counts as in hand once it is on the device
+    (`to_device_s` of it), as a rejoining trainer's parameters and moments are."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from monarch_sky import heal_rdma, heal_tcp, heal_wire
 
@@ -136,6 +140,9 @@ def receiver(conn, store_addr: str, timeout_s: float) -> None:
         kind, total, case, sources = msg
         if kind.startswith("raw"):
             conn.send(_raw_recv(sources[0], total, 1 if kind == "raw x1" else heal_tcp.STREAMS))
+            continue
+        if kind in COPIES:
+            conn.send(_copy(kind, total))
             continue
         if kind.startswith(OURS):
             into = heal_wire.host_buffer(receive_bytes(total))  # a rejoiner maps it while it builds
@@ -149,10 +156,50 @@ def receiver(conn, store_addr: str, timeout_s: float) -> None:
             conn.send("ready")
             began = time.perf_counter()
             state = transport.recv_checkpoint(src_rank=0, metadata=conn.recv(), step=7, timeout=timeout)
-        seconds = time.perf_counter() - began
-        equal, nbytes = verify(state, total)
-        conn.send({"seconds": round(seconds, 3), "bytes": nbytes, "equal": equal})
+        fetched = time.perf_counter()
+        if device != "cpu":
+            state = _to_device(state, device)
+        done = time.perf_counter()
+        equal, nbytes = verify(state, total, device)
+        conn.send({"seconds": round(done - began, 3), "bytes": nbytes, "equal": equal,
+                   "to_device_s": round(done - fetched, 3)})
         del state
+
+
+def _to_device(state, device: str):
+    """Every tensor of `state` on `device` (from pinned host memory: queued, then one wait)."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    moved = tree_map(lambda t: t.to(device, non_blocking=t.is_pinned()) if torch.is_tensor(t) else t, state)
+    torch.cuda.synchronize()
+    return moved
+
+
+COPIES = ("d2h pageable", "d2h pinned", "h2d pageable", "h2d pinned")  # a GPU's own host<->device rates
+
+
+def _copy(kind: str, total: int) -> dict:
+    """One host<->device copy of a shard set of `total` bytes (the tensors of `shapes`), into or
+    from pageable or pinned host memory: the part of a GPU heal the wire does not see. Host
+    pages are mapped before the clock starts, as a prepared buffer's are; checked bit for bit."""
+    import torch
+
+    direction, memory = kind.split()
+    pinned, d2h = memory == "pinned", direction == "d2h"
+    parts = [shape for _, shape in shapes(total)]
+    src = [tensor(i, shape, "cuda" if d2h else "cpu") for i, shape in enumerate(parts)]
+    if not d2h and pinned:
+        src = [t.pin_memory() for t in src]
+    dst = [torch.zeros(shape, device="cpu" if d2h else "cuda", pin_memory=pinned and d2h) for shape in parts]
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for d, t in zip(dst, src):
+        d.copy_(t, non_blocking=pinned)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - began
+    equal = all(torch.equal(d.to(t.device), t) for d, t in zip(dst, src))
+    return {"seconds": round(seconds, 3), "bytes": sum(t.numel() * 4 for t in src), "equal": equal}
 
 
 def _raw_send(conn, total: int) -> dict:
