@@ -19,6 +19,7 @@ LEAK_ENV = "MONARCH_SKY_TEST_LEAK"
 DIE_AFTER_COMMIT_ENV = "MONARCH_SKY_TEST_DIE_AFTER_COMMIT"
 FAIL_A_LOAD_ENV = "MONARCH_SKY_TEST_FAIL_A_LOAD"
 REFILL_WARM_DELAY_ENV = "MONARCH_SKY_TEST_REFILL_WARM_DELAY_S"
+STEP_PAUSE_ENV = "MONARCH_SKY_TEST_STEP_PAUSE_S"
 
 
 def refuse_rejoin_commit() -> bool:
@@ -40,6 +41,12 @@ def batch_log_dir() -> str | None:
 def heal_pace_bytes_per_s() -> float:
     """A heal server sends no faster than this (0: at full speed): a heal made long on purpose."""
     return float(os.environ.get(HEAL_PACE_ENV, "0") or 0)
+
+
+def step_pause_s() -> float:
+    """Each trainer sleeps this long before each step (0: none): a run slow on purpose, so a
+    test can stop it mid-run on any machine, however fast its steps."""
+    return float(os.environ.get(STEP_PAUSE_ENV, "0") or 0)
 
 
 def heal_timeout_s() -> float:

@@ -114,6 +114,7 @@ class GroupTrainer:
         self._params = [p for m in trainer.model_parts for p in m.parameters()]
         heal_transport.prepare_receive(self.transport, self._params, 5 if self._diloco else 3, self._rejoining)
         self._perturb = test_hooks.perturb_replica(self.spec.replica)
+        self._step_pause_s = test_hooks.step_pause_s()
         loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")
         self._loss_group = loss_mesh.get_group() if loss_mesh is not None else None
 
@@ -147,6 +148,7 @@ class GroupTrainer:
         from torchtitan.distributed import utils as dist_utils
 
         trainer, manager = self.trainer, self.manager
+        time.sleep(self._step_pause_s)
         start = time.perf_counter()
         self._decision = None
         trainer.gc_handler.run(manager.current_step() + 1)

@@ -74,11 +74,11 @@ def train(
     return run
 
 
-def start(tmp_path: Path, tag: str, *overrides: str) -> subprocess.Popen:
-    """`monarch-sky train` in the background, its output in one pipe."""
+def start(tmp_path: Path, tag: str, *overrides: str, env: dict | None = None) -> subprocess.Popen:
+    """`monarch-sky train` in the background, its output in one pipe (`env`: as `train`'s)."""
     return subprocess.Popen(
         train_command(tmp_path, tag, *overrides),
-        cwd=REPO, env=cli_env(tag), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=REPO, env={**cli_env(tag), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
 
 

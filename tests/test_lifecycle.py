@@ -107,8 +107,10 @@ def complete_checkpoints(folder) -> list[int]:
 
 def kill_once_checkpointed(tmp_path, tag: str, *overrides: str, folder=None, complete: int = 1) -> dict:
     """Start a run with checkpoints on, SIGKILL its controller once `complete` checkpoints are
-    complete and a few more steps have committed; returns the newest checkpoint's step."""
-    first = start(tmp_path, tag, *overrides)
+    complete and a few more steps have committed; returns the newest checkpoint's step.
+    Its steps are slowed (0.25 s each) so that it is still training then, however fast the
+    machine: tiny steps take 0.1 s, and 40 of them once ended before the kill."""
+    first = start(tmp_path, tag, *overrides, env={test_hooks.STEP_PAUSE_ENV: "0.25"})
     folder = folder or tmp_path / tag / "checkpoints"
     try:
         wait_for_event(tmp_path / tag / "events.jsonl", "checkpoint_noted", timeout_s=300)
@@ -116,6 +118,7 @@ def kill_once_checkpointed(tmp_path, tag: str, *overrides: str, folder=None, com
         while len(complete_checkpoints(folder)) < complete and time.monotonic() < deadline:
             time.sleep(0.2)
         time.sleep(2)  # a few steps past it: those are lost
+        assert first.poll() is None, "the run ended before its controller was killed: the test proves nothing"
         first.kill()  # the controller dies; its hosts and trainers do not
         first.communicate(timeout=30)
     finally:
