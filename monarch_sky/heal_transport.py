@@ -35,6 +35,12 @@ def receive_bytes(shard_bytes: list[int], copies: int) -> int:
     return copies * sum(shard_bytes) + 2 * heal_wire.ALIGN * copies * len(shard_bytes) + (1 << 16)
 
 
+def state_copies(diloco: bool) -> int:
+    """Tensors of a parameter's size in the heal state: the parameter and AdamW's two moments,
+    and in DiLoCo the original parameter and the outer momentum too."""
+    return 5 if diloco else 3
+
+
 def prepare_receive(transport: CheckpointTransport, params: list, copies: int, rejoining: bool) -> None:
     """Any rank may be healed (one that fell behind too): it rebuilds received DTensors
     (DiLoCo's outer momentum) on the mesh its parameters live on. A rejoining rank also maps

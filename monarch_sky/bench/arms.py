@@ -14,6 +14,8 @@ E'  (key E_best) E at its best: the same launches, with what monarch-sky's train
     differs from C only in orchestration: torchrun restarts a dead group in place; nothing
     notices a stopped or hung one, so those kinds are left out of its schedule (and
     reported as excluded), and a lost host's group comes back only with its relaunch.
+C and E' also run in `ft.mode=diloco` (keys C_diloco, E_best_diloco; not in the default
+list): E' then trains with TorchTitan's own DiLoCo loop.
 D, E and E' take the same schedule from `OutsideChaos`. Every arm trains the same recipe,
 seed and length, and writes `steps.jsonl` into its folder.
 """
@@ -40,9 +42,13 @@ LABELS = {
     "D": "D: checkpoint + torchrun restart, chaos",
     "E": "E: TorchFT + torchrun, no Monarch, chaos",
     "E_best": "E': TorchFT + torchrun at its best, no Monarch, chaos",
+    "C_diloco": "C: monarch-sky, chaos (diloco)",
+    "E_best_diloco": "E': TorchFT + torchrun at its best, no Monarch, chaos (diloco)",
 }
 UNSEEN_BY_TORCHRUN = ("stop", "hang")  # a frozen or hung rank never exits: torchrun waits on it
-MONARCH_ARMS = ("A_step", "A_diloco", "C", "C_spare")
+MONARCH_ARMS = ("A_step", "A_diloco", "C", "C_spare", "C_diloco")
+CHAOS_ARMS = ("C", "C_spare", "C_diloco", "D", "E", "E_best", "E_best_diloco")
+DILOCO_ARMS = ("A_diloco", "C_diloco", "E_best_diloco")
 
 
 @dataclass
@@ -54,8 +60,8 @@ class ArmPlan:
     workers: list[Launch]  # the launches whose exit ends the arm
 
 
-def job_overrides(s) -> list[str]:
-    return [
+def job_overrides(s, key: str) -> list[str]:
+    return [f"ft.mode={'diloco' if key in DILOCO_ARMS else 'step'}",
         f"replicas={s.replicas}", f"procs_per_replica={s.procs}", f"steps={s.steps}",
         f"seed={s.seed}", "faults=none", "wandb.mode=disabled",
         f"ft.max_restarts={s.max_restarts}", f"hosts.max_replacements={s.max_restarts}",
@@ -81,12 +87,12 @@ def plan(key: str, name: str, s, bench_dir: Path, repo: Path) -> ArmPlan:
         job = launch("torchrun", _torchrun(s.replicas * s.procs, key, arm_dir, s))
         chaos = OutsideChaos(arm_dir, s, lambda _replica: job, single_job=True) if key == "D" else None
         return ArmPlan(key, arm_dir, [job], chaos, [job])
-    if key in ("E", "E_best"):
+    if key in ("E", "E_best", "E_best_diloco"):
         port = free_port()
         lighthouse = launch("lighthouse", _lighthouse_cmd(port, s))
         extra = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}"}
         excluded: tuple[str, ...] = ()
-        if key == "E_best":
+        if key != "E":
             extra[HEAL_SECRET_ENV] = secrets.token_hex(32)
             excluded = UNSEEN_BY_TORCHRUN
         groups = [
@@ -98,16 +104,16 @@ def plan(key: str, name: str, s, bench_dir: Path, repo: Path) -> ArmPlan:
 
 
 def _monarch_cmd(key: str, name: str, s, bench_dir: Path) -> list[str]:
-    cmd = [sys.executable, "-m", "monarch_sky", "train", *job_overrides(s),
-           f"run_dir={bench_dir}", f"run_id={name}", f"ft.mode={'diloco' if key == 'A_diloco' else 'step'}"]
-    if key in ("C", "C_spare"):
+    cmd = [sys.executable, "-m", "monarch_sky", "train", *job_overrides(s, key),
+           f"run_dir={bench_dir}", f"run_id={name}"]
+    if key in CHAOS_ARMS:
         cmd += [f"chaos.every_s={s.every_s}", f"chaos.kinds=[{','.join(s.kinds)}]", f"chaos.seed={s.seed}",
                 f"hosts.spares={int(key == 'C_spare')}"]
     return cmd
 
 
 def _torchrun(nproc: int, key: str, arm_dir: Path, s, replica: int | None = None) -> list[str]:
-    arm = {"B": "alone", "D": "ckpt", "E": "torchft", "E_best": "torchft_best"}[key]
+    arm = {"B": "alone", "D": "ckpt", "E": "torchft", "E_best": "torchft_best", "E_best_diloco": "torchft_best"}[key]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
     if key != "B":
         cmd.append(f"--max-restarts={s.max_restarts}")
@@ -116,7 +122,7 @@ def _torchrun(nproc: int, key: str, arm_dir: Path, s, replica: int | None = None
         cmd += ["--ckpt-interval", str(s.ckpt_interval if key == "D" else 0)]
     if replica is not None:
         cmd += ["--replica", str(replica)]
-    return [*cmd, "--", *job_overrides(s)]
+    return [*cmd, "--", *job_overrides(s, key)]
 
 
 def _lighthouse_cmd(port: int, s) -> list[str]:

@@ -34,6 +34,9 @@ RATIOS = {  # name -> (arm, arm, field): the first arm's field over the second's
     "time_to_target D/C": ("D", "C", "time_to_target_s"),
     "time_to_target E/C": ("E", "C", "time_to_target_s"),
     "time_to_target E'/C": ("E_best", "C", "time_to_target_s"),
+    "goodput C/E' (diloco)": ("C_diloco", "E_best_diloco", "goodput"),
+    "work_rate C/E' (diloco)": ("C_diloco", "E_best_diloco", "work_rate"),
+    "time_to_target E'/C (diloco)": ("E_best_diloco", "C_diloco", "time_to_target_s"),
     "step_time A_step/B": ("A_step", "B", "median_step_s"),
     "step_time A_diloco/B": ("A_diloco", "B", "median_step_s"),
 }
@@ -84,7 +87,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
     for arm in s.arms:
         if arm not in arms_mod.LABELS:
             raise SystemExit(f"--arms: unknown arm '{arm}'; allowed: {','.join(arms_mod.LABELS)}")
-    if s.replicas < 2 and any(a in s.arms for a in ("C", "C_spare", "D", "E", "E_best")):
+    if s.replicas < 2 and any(a in s.arms for a in arms_mod.CHAOS_ARMS):
         raise SystemExit("--replicas: the chaos arms need at least 2 replica groups to heal from")
     return s
 
@@ -173,9 +176,12 @@ def _monarch_fault_times(run_dir: Path, lines: list[dict]) -> list[tuple[str, di
 
 
 def ratios(arms: dict[str, dict]) -> dict[str, float | None]:
+    """Each ratio whose two arms ran (None where one has no such number)."""
     out = {}
     for name, (num, den, fld) in RATIOS.items():
-        a, b = arms.get(num, {}).get(fld), arms.get(den, {}).get(fld)
+        if num not in arms or den not in arms:
+            continue
+        a, b = arms[num].get(fld), arms[den].get(fld)
         out[name] = round(a / b, 3) if a is not None and b else None
     return out
 
@@ -185,7 +191,7 @@ def ratio_spread(results: dict[str, list[dict]]) -> dict[str, dict | None]:
     rounds = min((len(runs) for runs in results.values()), default=0)
     per_round = [ratios({key: runs[i] for key, runs in results.items()}) for i in range(rounds)]
     out: dict[str, dict | None] = {}
-    for name in RATIOS:
+    for name in (per_round[0] if per_round else {}):
         values = [r[name] for r in per_round if r[name] is not None]
         out[name] = {"median": round(statistics.median(values), 3), "min": min(values), "max": max(values),
                      "rounds": values} if values else None

@@ -17,24 +17,24 @@ torchft (E)  TorchTitan's FaultTolerantTrainer + TorchFT, one torchrun per repli
                TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 \
                    torchrun --standalone --nproc_per_node=P --max-restarts=K \
                    -m monarch_sky.bench.titan_arm --arm torchft --replica I --out DIR -- ...
-             ft.mode=step only (DiLoCo commits only at syncs: no per-step decision to record).
+             ft.mode=step only.
 torchft_best (E')  E at its best, still without Monarch: no TorchTitan checkpointer; instead
              what monarch-sky's trainer registers with TorchFT (`heal_at_its_best`). The same
              torchrun and lighthouse commands, with one MONARCH_SKY_HEAL_SECRET for all groups.
+             ft.mode=step or diloco (TorchTitan's own DiLoCo, as its TorchFT config ships it).
 
 Each process writes DIR/pids/replica{R}-rank{K}.pid at start (for a fault injector); each
 group's rank 0 (alone/ckpt: global rank 0, replica -1) appends one JSON line per iteration to
-DIR/steps.jsonl: wall, replica, step, committed, seconds, loss, participants.
+DIR/steps.jsonl: wall, replica, step, committed, seconds, loss, participants
+(`titan_step_log.StepLog`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
-import time
 from pathlib import Path
 
 ARMS = ("alone", "ckpt", "torchft", "torchft_best")
@@ -78,8 +78,8 @@ def _problem(args, cfg) -> str | None:
         return f"--replica {args.replica}: must be in [0, {cfg.replicas})"
     if ft and not env.get("TORCHFT_LIGHTHOUSE"):
         return f"--arm {args.arm} needs TORCHFT_LIGHTHOUSE=http://HOST:PORT of a running torchft_lighthouse"
-    if ft and cfg.ft.mode != "step":
-        return f"--arm {args.arm} supports ft.mode=step only, not {cfg.ft.mode}"
+    if args.arm != "torchft_best" and cfg.ft.mode != "step":
+        return f"--arm {args.arm} supports ft.mode=step only, not {cfg.ft.mode} (torchft_best runs diloco too)"
     if int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         # torch 2.13's torchrun keeps one rendezvous TCPStore across restarts and workers' keys
         # carry no attempt prefix: restarted gloo ranks (and TorchFT's manager clients) read the
@@ -153,24 +153,59 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
       (torchft #343, torchtitan #4209);
     - TorchTitan's step counter (its loop counts its own steps; its checkpointer, off here,
       would carry it);
-    - monarch-sky's heal transport (`ft.heal_transport`), as C uses it;
+    - monarch-sky's heal transport (`ft.heal_transport`), as C uses it: a restarted group
+      (torchrun's restart count) maps its receive buffer while it builds, and any rank rebuilds
+      received DTensors (DiLoCo's outer momentum) on its parameters' mesh;
     - the wait for the step's quorum before `should_commit` (a torchft 0.2.0 bug, see
       `healing.register_with_torchft`);
     - C's CPU priority policy for trainers;
-    - on gloo, the failed process group freed at a step's first error (`platform.close_links_on_error`).
+    - on gloo, the failed process group freed at a step's first error (`platform.close_links_on_error`);
+    - DiLoCo: a healing group's pseudo-gradient zeroed (`contribute_nothing_when_healed`).
     """
     from monarch_sky import heal_transport
     from monarch_sky import platform as platform_mod
     from monarch_sky.healing import register_with_torchft
 
     manager = trainer.ft_manager.manager
-    heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.timeout_s)
+    transport = heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.timeout_s)
+    params = [p for m in trainer.model_parts for p in m.parameters()]
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    heal_transport.prepare_receive(transport, params, heal_transport.state_copies(cfg.ft.mode == "diloco"), restarted)
     register_with_torchft(manager, trainer)
     manager.register_state_dict_fn("titan_step", lambda s: setattr(trainer, "step", s["step"]),
                                    lambda: {"step": trainer.step})
     platform_mod.yield_cpu_to_recovery(plat.kind)
     if plat.backend == "gloo":
         platform_mod.close_links_on_error(manager)
+    if cfg.ft.mode == "diloco":
+        contribute_nothing_when_healed(manager)
+
+
+def contribute_nothing_when_healed(manager) -> None:
+    """E' in DiLoCo: what `GroupTrainer._contribute_nothing` does for monarch-sky. A group
+    heals inside a sync, before its pseudo-gradient is taken; with the peer's parameters just
+    loaded it would send the peer's pseudo-gradient again and count that peer twice. After
+    DiLoCo registers its own state (inside TorchTitan's `train()`), a last entry resets a
+    healing group's parameters to the healed originals: its pseudo-gradient is zero."""
+    import contextlib
+
+    from torchtitan.experiments.torchft import trainer as ft_trainer
+
+    from monarch_sky.trainer import REJOIN_KEY
+
+    semi_sync_training = ft_trainer.maybe_semi_sync_training
+
+    @contextlib.contextmanager
+    def with_reset(*args, **kwargs):
+        with semi_sync_training(*args, **kwargs) as diloco:
+            def reset(_state: dict) -> None:
+                for fragment in diloco._fragments:  # torchft has no public accessor
+                    fragment.restore_parameters()
+
+            manager.register_state_dict_fn(REJOIN_KEY, reset, dict)
+            yield diloco
+
+    ft_trainer.maybe_semi_sync_training = with_reset
 
 
 def _recast(cls, config):
@@ -203,75 +238,6 @@ def _plain_config(config, cfg, interval: int):
     return plain
 
 
-class StepLog:
-    """Wraps the trainer's per-step calls; rank 0 of the group appends one line per iteration.
-
-    Iteration: from `train_step` to the end of the `checkpointer.save` after it, so saving
-    counts. Loss: the step's forward losses summed over the group's loss mesh, as TorchTitan
-    logs it (its own per-step logging is off in the recipe). Committed: what TorchFT's
-    `should_commit` returned to its optimizer wrapper.
-    """
-
-    def __init__(self, trainer, path: Path, replica: int, record: bool, replicas: int):
-        import torch
-
-        self.trainer, self.replica, self.replicas = trainer, replica, replicas
-        self.file = open(path, "a", buffering=1) if record else None
-        ft = getattr(trainer, "ft_manager", None)
-        self.manager = ft.manager if ft is not None and ft.enabled else None
-        mesh = trainer.parallel_dims.get_optional_mesh("loss")
-        self.loss_group = mesh.get_group() if mesh is not None else None
-        self.loss = torch.zeros((), device=trainer.device)
-        self.start, self.decision = 0.0, True
-        self._wrap(trainer)
-
-    def _wrap(self, trainer) -> None:
-        fwd_bwd, train_step, save = trainer.forward_backward_step, trainer.train_step, trainer.checkpointer.save
-
-        def forward_backward_step(**kwargs):
-            loss = fwd_bwd(**kwargs)
-            self.loss += loss.detach()
-            return loss
-
-        def step(data_iterator):
-            self.start, self.decision, before = time.perf_counter(), self.manager is None, trainer.step
-            self.loss.zero_()
-            train_step(data_iterator)
-            if trainer.step != before:  # TorchFT loaded a peer's train state
-                print(f"[titan_arm] replica {self.replica}: healed from a peer, step {before} -> {trainer.step}",
-                      flush=True)
-
-        def checkpoint_save(curr_step, last_step=False):
-            saved = save(curr_step, last_step=last_step)
-            self._record(curr_step)
-            return saved
-
-        trainer.forward_backward_step, trainer.train_step = forward_backward_step, step
-        trainer.checkpointer.save = checkpoint_save
-        if self.manager is not None:
-            decide = self.manager.should_commit
-
-            def should_commit(*args, **kwargs) -> bool:
-                self.decision = decide(*args, **kwargs)
-                return self.decision
-
-            self.manager.should_commit = should_commit
-
-    def _record(self, step: int) -> None:
-        import torch
-
-        if self.loss_group is not None:
-            torch.distributed.all_reduce(self.loss, group=self.loss_group)
-        if self.file is None:
-            return
-        participants = self.manager.num_participants() if self.manager is not None else self.replicas
-        line = {"wall": time.time(), "replica": self.replica, "step": int(step),
-                "committed": bool(self.decision), "seconds": time.perf_counter() - self.start,
-                "loss": float(self.loss.item()), "participants": participants}
-        self.file.write(json.dumps(line) + "\n")
-        self.file.flush()
-
-
 def check_layout(trainer, replica: int) -> None:
     """alone/ckpt: the pid file's replica (rank // procs_per_replica) is the rank's HSDP replica."""
     mesh = trainer.parallel_dims.get_optional_mesh("dp_replicate")
@@ -290,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchtitan.tools.logging import init_logger
 
     from monarch_sky import platform as platform_mod
+    from monarch_sky.bench.titan_step_log import StepLog
 
     init_logger()
     trainer = arm_config(args, cfg, plat).build()
@@ -300,7 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             heal_at_its_best(trainer, cfg, plat)
         if not ft:
             check_layout(trainer, replica)
-        StepLog(trainer, args.out / "steps.jsonl", replica if ft else -1, rank == 0, cfg.replicas)
+        StepLog(trainer, args.out / "steps.jsonl", replica if ft else -1, rank == 0, cfg.replicas,
+                diloco=cfg.ft.mode == "diloco")
         trainer.train()
     finally:
         trainer.close()
