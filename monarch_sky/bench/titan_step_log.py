@@ -17,7 +17,8 @@ class StepLog:
     Iteration: from `train_step` to the end of the `checkpointer.save` after it, so saving
     counts. Loss: the step's forward losses summed over the group's loss mesh, as TorchTitan
     logs it (its own per-step logging is off in the recipe). Committed: what TorchFT's
-    `should_commit` returned to its optimizer wrapper.
+    `should_commit` returned to its optimizer wrapper. A step that healed the group has no loss:
+    its forward ran on the weights the heal replaced (monarch-sky's DiLoCo join reports none).
 
     DiLoCo (`diloco`): an inner step stands only if the next sync commits, so its line waits
     for that sync and takes its decision. Steps a group trained before a heal replaced its
@@ -81,7 +82,7 @@ class StepLog:
             torch.distributed.all_reduce(self.loss, group=self.loss_group)
         participants = self.manager.num_participants() if self.manager is not None else self.replicas
         line = {"wall": time.time(), "replica": self.replica, "step": int(step), "committed": bool(self.decision),
-                "seconds": time.perf_counter() - self.start, "loss": float(self.loss.item()),
+                "seconds": time.perf_counter() - self.start, "loss": None if self.healed else float(self.loss.item()),
                 "participants": participants}
         if not self.diloco:
             self._write([line])
