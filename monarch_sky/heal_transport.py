@@ -35,13 +35,7 @@ def receive_bytes(shard_bytes: list[int], copies: int) -> int:
     return copies * sum(shard_bytes) + 2 * heal_wire.ALIGN * copies * len(shard_bytes) + (1 << 16)
 
 
-def state_copies(diloco: bool) -> int:
-    """Tensors of a parameter's size in the heal state: the parameter and AdamW's two moments,
-    and in DiLoCo the original parameter and the outer momentum too."""
-    return 5 if diloco else 3
-
-
-def prepare_receive(transport: CheckpointTransport, params: list, copies: int, rejoining: bool) -> None:
+def prepare_receive(transport: CheckpointTransport, params: list, diloco: bool, rejoining: bool) -> None:
     """Any rank may be healed (one that fell behind too): it rebuilds received DTensors
     (DiLoCo's outer momentum) on the mesh its parameters live on. A rejoining rank also maps
     its receive buffer while it builds, from its own shards' sizes (the peer's optimizer
@@ -50,7 +44,7 @@ def prepare_receive(transport: CheckpointTransport, params: list, copies: int, r
         return
     transport.mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
     if rejoining:
-        transport.prepare(receive_bytes([local_tensor(p).nbytes for p in params], copies))
+        transport.prepare(receive_bytes([local_tensor(p).nbytes for p in params], 5 if diloco else 3))
 
 
 def step_stats(transport: CheckpointTransport) -> dict:

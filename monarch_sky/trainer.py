@@ -112,7 +112,7 @@ class GroupTrainer:
         self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)
         self._data.skip(data.skip_steps * trainer.gradient_accumulation_steps)
         self._params = [p for m in trainer.model_parts for p in m.parameters()]
-        heal_transport.prepare_receive(self.transport, self._params, heal_transport.state_copies(self._diloco), self._rejoining)
+        heal_transport.prepare_receive(self.transport, self._params, self._diloco, self._rejoining)
         self._perturb = test_hooks.perturb_replica(self.spec.replica)
         self._step_pause_s = test_hooks.step_pause_s()
         loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")

@@ -170,7 +170,7 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
     transport = heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.timeout_s)
     params = [p for m in trainer.model_parts for p in m.parameters()]
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    heal_transport.prepare_receive(transport, params, heal_transport.state_copies(cfg.ft.mode == "diloco"), restarted)
+    heal_transport.prepare_receive(transport, params, cfg.ft.mode == "diloco", restarted)
     register_with_torchft(manager, trainer)
     manager.register_state_dict_fn("titan_step", lambda s: setattr(trainer, "step", s["step"]),
                                    lambda: {"step": trainer.step})
