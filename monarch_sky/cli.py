@@ -55,16 +55,16 @@ def main(argv: list[str] | None = None) -> int:
         return _tls(args)
     if args.command == "config":
         return _config(args)
-    from monarch_sky import supervision
+    from monarch_sky.common import supervision
 
     supervision.configure_monarch_env()  # before anything imports Monarch
     if args.command == "doctor":
-        from monarch_sky import doctor as doctor_mod
+        from monarch_sky.hosts import doctor as doctor_mod
 
         workers = [w for w in args.workers.split(",") if w.strip()]
         return doctor_mod.run(workers, args.lighthouse, args.expect_gpus, args.wait)
     if args.command == "worker":
-        from monarch_sky import worker as worker_mod
+        from monarch_sky.hosts import worker as worker_mod
 
         worker_mod.run(args.address, args.until_shutdown)
         return 0
@@ -107,7 +107,7 @@ def _parser(command: str | None) -> Parser:
     report.add_argument("path", metavar="RUN_OR_BENCH_DIR", help="a run folder (summary.json) or bench folder (bench.json, bench-heal.json)")
 
     sub.add_parser("tls-ca", help="make a run CA: prints shell exports of MONARCH_SKY_TLS_CA and _KEY "
-                   "(`python3 -m monarch_sky.tls` does the same with only `cryptography` installed)")
+                   "(`python3 -m monarch_sky.hosts.tls` does the same with only `cryptography` installed)")
     node = sub.add_parser("tls-node", help="issue this node's certificate from the run CA in the environment")
     node.add_argument("--out", required=True, help="folder for ca.pem, cert.pem, key.pem (mode 0600)")
     node.add_argument("hosts", nargs="+", metavar="IP_OR_NAME", help="every address this node is dialled by")
@@ -189,7 +189,7 @@ def _bench_or_report(args) -> int:
 
 def _tls(args) -> int:
     """Print `export NAME=VALUE` lines for a shell to eval (sky/bootstrap.sh does)."""
-    from monarch_sky import tls
+    from monarch_sky.hosts import tls
 
     if args.command == "tls-ca":
         print(tls.ca_exports())
@@ -203,7 +203,7 @@ def _tls(args) -> int:
 
 
 def _fetch_tokenizer(args) -> int:
-    from monarch_sky import hub_assets
+    from monarch_sky.common import hub_assets
     from monarch_sky.recipes import RECIPES
 
     repo = args.repo

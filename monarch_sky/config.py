@@ -14,7 +14,7 @@ from typing import Any, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from monarch_sky.faults import CONTROLLER, Fault, FaultSpecError, check_faults, parse_faults
+from monarch_sky.faults.spec import CONTROLLER, Fault, FaultSpecError, check_faults, parse_faults
 from monarch_sky.recipes import RECIPES
 from monarch_sky.validation import ConfigError, validate, validate_faults
 
@@ -70,7 +70,7 @@ class TimeoutSettings:
 
 @dataclass
 class HostSettings:
-    provider: str = "local"  # local | addresses | skypilot (see monarch_sky/host_choice.py)
+    provider: str = "local"  # local | addresses | skypilot (see monarch_sky/hosts/choice.py)
     addresses: list[str] = field(default_factory=list)  # addresses: worker IP:PORT per host
     controller_ip: Optional[str] = None  # addresses: the IP the hosts reach the controller on
     recipe_yaml: Optional[str] = None  # skypilot: the recipe replacements are launched from
@@ -95,7 +95,7 @@ class ChaosSettings:
 
 @dataclass
 class CheckpointSettings:
-    """The last resort when no group is left to heal from (see monarch_sky/checkpoints.py)."""
+    """The last resort when no group is left to heal from (see monarch_sky/common/checkpoints.py)."""
 
     every_min: float = 0.0  # minutes between checkpoints; 0: none (the local default)
     folder: Optional[str] = None  # None: <run_dir>/<run_id>/checkpoints; every node must see it

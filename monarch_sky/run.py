@@ -13,17 +13,17 @@ import signal
 import sys
 from datetime import datetime
 
-from monarch_sky.checkpoint_resume import (
+from monarch_sky.control.checkpoint_resume import (
     CheckpointMismatch, attempt_from_checkpoint, fired_before, restart_message, resume_from,
 )
 from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
-from monarch_sky.controller import Controller
-from monarch_sky.host_choice import make_provider
-from monarch_sky.hosts import CONTROLLER_ENV, RUN_ID_ENV, HostProvider
-from monarch_sky.local_hosts import reap_run
-from monarch_sky.outcome import failed, stopped
-from monarch_sky.progress import STORY, Display, group_shape
-from monarch_sky.tracking import RunFinished, RunRecord, Tracker, previous_attempt
+from monarch_sky.control.controller import Controller
+from monarch_sky.hosts.base import CONTROLLER_ENV, RUN_ID_ENV, HostProvider
+from monarch_sky.hosts.choice import make_provider
+from monarch_sky.hosts.local import reap_run
+from monarch_sky.record.outcome import failed, stopped
+from monarch_sky.record.progress import STORY, Display, group_shape
+from monarch_sky.record.tracking import RunFinished, RunRecord, Tracker, previous_attempt
 
 log = logging.getLogger(__name__)
 
@@ -170,7 +170,7 @@ def _log_to_file(path) -> logging.FileHandler:
 def _render_report(run_path) -> list:
     """The run's `report.md` and `timeline.png` (`monarch-sky report` renders them again)."""
     try:
-        from monarch_sky.bench.report import render_run
+        from monarch_sky.record.run_report import render_run
 
         render_run(run_path)
         return [run_path / "timeline.png"]

@@ -12,7 +12,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from monarch_sky.faults import CONTROLLER, KINDS, Fault
+from monarch_sky.faults.spec import CONTROLLER, KINDS, Fault
 
 
 class ConfigError(ValueError):
@@ -139,7 +139,7 @@ def _validate_checkpoint(checkpoint: DictConfig) -> None:
 
 
 def _validate_data(data: DictConfig) -> None:
-    from monarch_sky import hub_assets
+    from monarch_sky.common import hub_assets
 
     if not data.tokenizer_path and not data.tokenizer_repo:
         raise ConfigError("data.tokenizer_path: empty; name a tokenizer folder, or a hub repo in data.tokenizer_repo")
@@ -153,7 +153,7 @@ def _validate_data(data: DictConfig) -> None:
 
 
 def _validate_hosts(config: DictConfig) -> None:
-    from monarch_sky.hosts import HostError, parse_address
+    from monarch_sky.hosts.base import HostError, parse_address
 
     hosts = config.hosts
     if hosts.provider == "local":
@@ -177,8 +177,8 @@ def _validate_hosts(config: DictConfig) -> None:
 
 
 def _validate_sky_replacements(hosts: DictConfig) -> None:
-    from monarch_sky.hosts import HostError
-    from monarch_sky.sky_hosts import sky_cli_problem, this_cluster
+    from monarch_sky.hosts.base import HostError
+    from monarch_sky.hosts.sky import sky_cli_problem, this_cluster
 
     if not (hosts.recipe_yaml and os.path.isfile(hosts.recipe_yaml)):
         raise ConfigError(f"hosts.recipe_yaml: '{hosts.recipe_yaml}' is not a file; replacements launch from it")

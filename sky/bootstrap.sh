@@ -102,11 +102,11 @@ fi
 
 # --- network and ROCm environment -------------------------------------------------
 # RDMA only where this container can open it, sockets on this node's interface otherwise; a
-# preset NCCL_*/GLOO_* wins (monarch_sky/doctor.py `rccl_env`, reported by the doctor below).
-ENV_SH=$("$PY" -m monarch_sky.doctor --print-env "$MY_IP") || die "could not work out the RCCL/gloo environment"
+# preset NCCL_*/GLOO_* wins (monarch_sky/hosts/doctor.py `rccl_env`, reported by the doctor below).
+ENV_SH=$("$PY" -m monarch_sky.hosts.doctor --print-env "$MY_IP") || die "could not work out the RCCL/gloo environment"
 eval "$ENV_SH"
 
-# Mutual TLS (monarch_sky/tls.py): with the run's CA in MONARCH_SKY_TLS_CA/_KEY (secrets), only
+# Mutual TLS (monarch_sky/hosts/tls.py): with the run's CA in MONARCH_SKY_TLS_CA/_KEY (secrets), only
 # processes holding a certificate from it can attach to a worker here or reach the controller.
 SCHEME=tcp
 if [ -n "${MONARCH_SKY_TLS_CA:-}" ]; then
@@ -167,7 +167,7 @@ alive() {  # alive PID: running, not a zombie
 # Monarch 0.7.0 never attaches a controller to a new worker at the address of one that died
 # under it, so a worker started again (after a crash, or on a node that came back with its
 # $STATE) listens COMEBACK_PORT_STEP above the last one; the controller looks for it there
-# (monarch_sky/address_hosts.py, the same step). State files are named by the slot's first port.
+# (monarch_sky/hosts/addresses.py, the same step). State files are named by the slot's first port.
 COMEBACK_PORT_STEP=100
 WORKER_RESTARTS=${WORKER_RESTARTS:-3}  # a worker that dies on its own is started again this often
 

@@ -127,7 +127,7 @@ def one_rank_trainer_env():
     (a replica group of one rank); returns the lighthouse, which must stay referenced."""
     from torchft.coordination import LighthouseServer
 
-    from monarch_sky.hosts import free_port
+    from monarch_sky.hosts.base import free_port
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     port = lighthouse.address().rsplit(":", 1)[1]

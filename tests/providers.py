@@ -12,8 +12,8 @@ import threading
 import time
 from pathlib import Path
 
-from monarch_sky.hosts import Host
-from monarch_sky.local_hosts import LocalHosts
+from monarch_sky.hosts.base import Host
+from monarch_sky.hosts.local import LocalHosts
 
 
 class FailsOnceHosts(LocalHosts):
@@ -127,7 +127,7 @@ PROVIDERS = {"broken": BrokenHosts, "private-disk": PrivateDiskHosts, "fails-onc
 
 
 def main(kind: str, overrides: list[str]) -> int:
-    from monarch_sky import supervision
+    from monarch_sky.common import supervision
 
     supervision.configure_monarch_env()
     from monarch_sky.config import load_job

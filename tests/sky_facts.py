@@ -69,7 +69,7 @@ def recipe_facts(path: str) -> dict:
 
 def replacement_facts(recipe_path: str, cluster_info: str) -> dict:
     """The one-node task monarch-sky's SkyPilot host provider would launch for a lost node."""
-    from monarch_sky.sky_hosts import load_recipe, replacement_task
+    from monarch_sky.hosts.sky import load_recipe, replacement_task
 
     os.environ["SKYPILOT_CLUSTER_INFO"] = cluster_info
     config = replacement_task(load_recipe(recipe_path), cluster="monarch-run-r0", port=26600)

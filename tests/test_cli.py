@@ -14,7 +14,8 @@ import pytest
 import yaml
 
 from conftest import REPO, cli_env, new_tag
-from monarch_sky import progress, tls
+from monarch_sky.hosts import tls
+from monarch_sky.record import progress
 
 SKY_PYTHON = REPO / ".venv-sky" / "bin" / "python"
 
@@ -99,7 +100,7 @@ def test_flags_in_torchtitan_style_are_read_as_key_value(tmp_path):
 def test_the_ca_runs_from_a_python_with_only_cryptography(tmp_path):
     """SkyPilot's venv has cryptography and none of monarch-sky's stack: the recipes' header
     command makes the CA there, and its exports are a CA a node can issue from."""
-    out = subprocess.run([str(SKY_PYTHON), "-m", "monarch_sky.tls"], cwd=REPO, capture_output=True, text=True,
+    out = subprocess.run([str(SKY_PYTHON), "-m", "monarch_sky.hosts.tls"], cwd=REPO, capture_output=True, text=True,
                          timeout=60, env={"PATH": os.environ["PATH"]})
     assert out.returncode == 0, out.stderr
     env = dict(line.removeprefix("export ").split("=", 1) for line in out.stdout.splitlines())
@@ -109,7 +110,7 @@ def test_the_ca_runs_from_a_python_with_only_cryptography(tmp_path):
     assert (tmp_path / "certs" / "cert.pem").read_text() and set(issued) == set(tls.HYPERACTOR_ENV.values())
 
 
-WANDB_PROBE = "from monarch_sky.tracking import wandb_mode; print(wandb_mode('auto'))"
+WANDB_PROBE = "from monarch_sky.record.tracking import wandb_mode; print(wandb_mode('auto'))"
 
 
 @pytest.mark.parametrize("netrc,expected", [(True, "online"), (False, "offline")])

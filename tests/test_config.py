@@ -9,7 +9,7 @@ import pytest
 
 from conftest import REPO, cli_env
 from monarch_sky.config import ConfigError, load_job
-from monarch_sky.faults import Fault, FaultSpecError, parse_faults
+from monarch_sky.faults.spec import Fault, FaultSpecError, parse_faults
 
 BAD = [
     (["replicas=0"], ["replicas", ">= 1"]),

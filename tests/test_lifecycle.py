@@ -14,8 +14,8 @@ import pytest
 
 from conftest import REPO, cli_env, leftovers, new_tag, small_disk, start, train, train_command, wait_for_event
 
-from monarch_sky import checkpoints, test_hooks
-from monarch_sky.test_hooks import LEAK_ENV
+from monarch_sky.common import checkpoints, test_hooks
+from monarch_sky.common.test_hooks import LEAK_ENV
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import new_tag, read_events, start, train, wait_for_event
-from monarch_sky import checkpoints
+from monarch_sky.common import checkpoints
 
 MIN_FAULTS = 40
 ARGS = (

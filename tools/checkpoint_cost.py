@@ -10,7 +10,7 @@
    per-GB rates the big recipes are scaled with.
 3. Prints one JSON object: the measured numbers, and N (minutes between checkpoints) for
    about 1% of the throughput: for the tiny model as measured, for llama3_8b and llama3_70b
-   (8 ranks a group, state per rank from monarch_sky/heal_budget.py) as
+   (8 ranks a group, state per rank from monarch_sky/control/heal_budget.py) as
    fixed cost + state per rank / staging rate, each assumption named in the output.
 
   .venv/bin/python tools/checkpoint_cost.py [--steps 80] [--every-min 0.1] [--gb 1] [--out cost.json]
@@ -115,8 +115,8 @@ def staging_rates(gb: float, workdir: Path) -> dict:
 
 
 def derive(tiny: dict, rates: dict) -> dict:
-    from monarch_sky.checkpoints import interval_min
-    from monarch_sky.heal_budget import state_bytes_per_rank
+    from monarch_sky.common.checkpoints import interval_min
+    from monarch_sky.control.heal_budget import state_bytes_per_rank
     from monarch_sky.recipes import RECIPES
 
     tiny_cost = max(tiny["extra_s_per_save"] or 0.0, tiny["save_call_s"])

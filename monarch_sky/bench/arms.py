@@ -31,7 +31,7 @@ from pathlib import Path
 from monarch_sky.bench.launch import Launch, free_port
 from monarch_sky.bench.outside_chaos import OutsideChaos
 from monarch_sky.config import FTSettings
-from monarch_sky.heal_wire import HEAL_SECRET_ENV
+from monarch_sky.replica.heal_wire import HEAL_SECRET_ENV
 
 LABELS = {
     "A_step": "A: monarch-sky, no faults (step)",

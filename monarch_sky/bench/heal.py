@@ -104,7 +104,7 @@ class Bench:
 
 
 def _streams() -> int:
-    from monarch_sky.heal_tcp import STREAMS
+    from monarch_sky.replica.heal_tcp import STREAMS
 
     return STREAMS
 

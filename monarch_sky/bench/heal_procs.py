@@ -34,7 +34,7 @@ def tensor(index: int, shape, device: str = "cpu") -> "torch.Tensor":
 
 def receive_bytes(total: int) -> int:
     """What a rejoining rank maps for this state (the rule `heal_transport.prepare_receive` uses)."""
-    from monarch_sky.heal_transport import receive_bytes as rule
+    from monarch_sky.replica.heal_transport import receive_bytes as rule
 
     return rule([4 * math.prod(shape) for _, shape in shapes(total)], copies=3)
 
@@ -75,9 +75,9 @@ def _transport(kind: str, rank: int, store_addr: str, case: str, timeout: timede
     from torchft.checkpointing.pg_transport import PGTransport
     from torchft.process_group import ProcessGroupGloo
 
-    from monarch_sky.heal_rdma import RDMAHealTransport
-    from monarch_sky.heal_tcp import TCPHealTransport
-    from monarch_sky.heal_wire import secret_from_env
+    from monarch_sky.replica.heal_rdma import RDMAHealTransport
+    from monarch_sky.replica.heal_tcp import TCPHealTransport
+    from monarch_sky.replica.heal_wire import secret_from_env
 
     if kind == "http":
         return HTTPTransport(timeout=timeout, num_chunks=0)
@@ -93,7 +93,7 @@ def sender(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> None
     """Holds a state per size (on `device`, as a trainer holds it); serves it over the
     transport each case names."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from monarch_sky import heal_wire
+    from monarch_sky.replica import heal_wire
 
     states: dict[int, dict] = {}
     ours: dict[tuple, object] = {}  # tcp, rdma: kept per size, the snapshot mapped (and registered) as a trainer's is
@@ -133,7 +133,7 @@ def receiver(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> No
     """Heals each case's state; on a GPU the state counts as in hand once it is on the device
     (`to_device_s` of it), as a rejoining trainer's parameters and moments are."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from monarch_sky import heal_rdma, heal_tcp, heal_wire
+    from monarch_sky.replica import heal_rdma, heal_tcp, heal_wire
 
     timeout = timedelta(seconds=timeout_s)
     while (msg := conn.recv()) is not None:
@@ -203,7 +203,7 @@ def _copy(kind: str, total: int) -> dict:
 
 
 def _raw_send(conn, total: int) -> dict:
-    from monarch_sky import heal_wire
+    from monarch_sky.replica import heal_wire
 
     buffer = heal_wire.host_buffer(total)
     view = heal_wire.byte_view(buffer)
@@ -230,7 +230,7 @@ def _raw_send(conn, total: int) -> dict:
 
 
 def _raw_recv(address: str, total: int, streams: int) -> dict:
-    from monarch_sky import heal_wire
+    from monarch_sky.replica import heal_wire
 
     buffer = heal_wire.host_buffer(total)
     view = heal_wire.byte_view(buffer)

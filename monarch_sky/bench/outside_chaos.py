@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Callable
 
 from monarch_sky.bench.launch import Launch, signal_pid_file
-from monarch_sky.bench.metrics import JsonlTail
-from monarch_sky.injector import chaos_draws
+from monarch_sky.faults.injector import chaos_draws
+from monarch_sky.record.jsonl import JsonlTail
 
 SIGNALS = {"kill": signal.SIGKILL, "segfault": signal.SIGSEGV, "stop": signal.SIGSTOP}
 KINDS = (*SIGNALS, "host")

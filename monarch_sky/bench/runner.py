@@ -21,6 +21,7 @@ from pathlib import Path
 from monarch_sky.bench import arms as arms_mod
 from monarch_sky.bench import metrics
 from monarch_sky.bench.outside_chaos import KINDS
+from monarch_sky.record.jsonl import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 PROGRESS_EVERY_S = 30.0
@@ -141,7 +142,7 @@ def run_arm(key: str, name: str, s: BenchSettings, bench_dir: Path) -> dict:
 
 
 def _arm_result(key: str, plan, s: BenchSettings, started: float, ended: float, codes: list) -> dict:
-    lines = metrics.read_jsonl(plan.dir / "steps.jsonl")
+    lines = read_jsonl(plan.dir / "steps.jsonl")
     result = {"label": arms_mod.LABELS[key], "dir": plan.dir.name, "started_wall": started,
               "exit_code": max((c if c is not None else 124) for c in codes)}
     result.update(metrics.arm_stats(lines, started, ended, s.steps))
@@ -163,7 +164,7 @@ def _monarch_fault_times(run_dir: Path, lines: list[dict]) -> list[tuple[str, di
     if not summary_path.exists():
         return []
     records = json.loads(summary_path.read_text()).get("faults", [])
-    injected = [e for e in metrics.read_jsonl(run_dir / "events.jsonl") if e["event"] == "fault_injected"]
+    injected = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "fault_injected"]
     with open(run_dir / "faults.jsonl", "w") as out:
         for event in injected:
             out.write(json.dumps({"wall": event["wall"], "kind": event["kind"], "replica": event["replica"]}) + "\n")
@@ -211,7 +212,7 @@ def _median_of(runs: list[dict]) -> dict:
 
 
 def _progress(plan, s: BenchSettings, started: float) -> str:
-    lines = metrics.read_jsonl(plan.dir / "steps.jsonl")
+    lines = read_jsonl(plan.dir / "steps.jsonl")
     step = max(metrics.first_commits(lines), default=0)
     faults = f", {len(plan.chaos.faults)} faults injected" if plan.chaos is not None else ""
     return f"{plan.key}: step {step}/{s.steps} after {time.time() - started:.0f}s{faults}"

@@ -104,10 +104,10 @@ def prepare_process(cfg):
     `set_pg_timeouts`, which calls `torch.distributed.set_timeout` (absent from torch 2.13:
     it has `_set_pg_timeout`) after `barrier(device_ids=[current_device()])`, which rejects
     the CPU device module's answer "cpu"."""
-    from monarch_sky import platform as platform_mod
-    from monarch_sky.context import trainer_env
-    from monarch_sky.heal_wire import HEAL_SECRET_ENV
-    from monarch_sky.trainer import import_torchtitan
+    from monarch_sky.common import platform as platform_mod
+    from monarch_sky.control.context import trainer_env
+    from monarch_sky.replica.heal_wire import HEAL_SECRET_ENV
+    from monarch_sky.replica.trainer import import_torchtitan
 
     shared_secret = os.environ.get(HEAL_SECRET_ENV)  # E': one for all groups, from the bench
     os.environ.update(trainer_env(cfg, platform_mod.detect()))
@@ -148,7 +148,7 @@ def arm_config(args, cfg, plat):
 def heal_at_its_best(trainer, cfg, plat) -> None:
     """E': register with TorchFT what monarch-sky's trainer registers, without Monarch.
 
-    - the rank-local heal state (`monarch_sky.healing`): TorchTitan's registers
+    - the rank-local heal state (`monarch_sky.replica.healing`): TorchTitan's registers
       `model.state_dict()`, whose fused-QKV hook runs a collective on TorchFT's quorum thread
       (torchft #343, torchtitan #4209);
     - TorchTitan's step counter (its loop counts its own steps; its checkpointer, off here,
@@ -162,9 +162,9 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
     - on gloo, the failed process group freed at a step's first error (`platform.close_links_on_error`);
     - DiLoCo: a healing group's pseudo-gradient zeroed (`contribute_nothing_when_healed`).
     """
-    from monarch_sky import heal_transport
-    from monarch_sky import platform as platform_mod
-    from monarch_sky.healing import register_with_torchft
+    from monarch_sky.common import platform as platform_mod
+    from monarch_sky.replica import heal_transport
+    from monarch_sky.replica.healing import register_with_torchft
 
     manager = trainer.ft_manager.manager
     transport = heal_transport.install(manager, cfg.ft.heal_transport, cfg.ft.timeout_s)
@@ -191,7 +191,7 @@ def contribute_nothing_when_healed(manager) -> None:
 
     from torchtitan.experiments.torchft import trainer as ft_trainer
 
-    from monarch_sky.trainer import REJOIN_KEY
+    from monarch_sky.replica.trainer import REJOIN_KEY
 
     semi_sync_training = ft_trainer.maybe_semi_sync_training
 
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torchtitan.tools.logging import init_logger
 
-    from monarch_sky import platform as platform_mod
     from monarch_sky.bench.titan_step_log import StepLog
+    from monarch_sky.common import platform as platform_mod
 
     init_logger()
     trainer = arm_config(args, cfg, plat).build()

@@ -9,8 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from monarch_sky import hub_assets
-from monarch_sky.checkpoints import CheckpointSpec
+from monarch_sky.common import hub_assets
+from monarch_sky.common.checkpoints import CheckpointSpec
 from monarch_sky.recipes import llama3
 
 
@@ -69,14 +69,14 @@ class Recipe:
     name: str
     description: str
     build_trainer: Callable[[TrainerSpec], Any]
-    params: int  # the model's parameter count (tests/test_heal_budget.py builds the model to check)
+    params: int  # the model's parameter count (tests/control/test_heal_budget.py builds the model to check)
     largest_param: int  # its largest parameter tensor's elements (the embedding: vocabulary x width)
     job_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def hub_data(tokenizer_repo: str) -> dict[str, Any]:
     """A real model's data: its own tokenizer (fetched on each node during setup, see
-    `monarch_sky.hub_assets`) and C4, streamed from the hub."""
+    `monarch_sky.common.hub_assets`) and C4, streamed from the hub."""
     return {"tokenizer_path": None, "tokenizer_repo": tokenizer_repo, "dataset": "c4", "dataset_path": None}
 
 

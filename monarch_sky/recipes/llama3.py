@@ -181,7 +181,7 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str):
             dataset=data["dataset"], dataset_path=data["dataset_path"]
         ),
         # Live recovery never reads checkpoint files: healing state is registered on the
-        # TorchFT manager by monarch_sky.healing instead.
+        # TorchFT manager by monarch_sky.replica.healing instead.
         checkpoint=TorchFTCheckpointManager.Config(enable=False),
         activation_checkpoint=None if on_cpu else _full_ac(),
         comm=CommConfig(trace_buf_size=0, init_timeout_seconds=300),

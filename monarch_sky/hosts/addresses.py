@@ -1,0 +1,62 @@
+"""Workers at fixed addresses: the nodes of a SkyPilot cluster, started by `sky/bootstrap.sh`."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from monarch_sky.hosts.base import Host, HostError, HostProvider, parse_address
+
+COMEBACK_PORT_STEP = 100  # a node's restarted worker listens this much above the last one
+COMEBACK_PORTS = 5  # how many such moves the controller looks for
+
+
+class AddressListHosts(HostProvider):
+    """Workers at fixed addresses, already running (started by the node bootstrap)."""
+
+    def __init__(self, addresses: list[str], controller_ip: str, wait_s: float = 300.0):
+        super().__init__()
+        self.hosts = [parse_address(a, name=f"node-{i}") for i, a in enumerate(addresses)]
+        self._controller_ip = controller_ip
+        self.wait_s = wait_s
+        self._closed = threading.Event()
+
+    def start(self, count: int) -> list[Host]:
+        if count > len(self.hosts):
+            raise HostError(f"{count} replica groups need {count} hosts, but only {len(self.hosts)} addresses were given")
+        for host in self.hosts:
+            self._wait_up(host)
+        with self.lock:
+            self.spares = self.hosts[count:]
+        return self.hosts[:count]
+
+    def provision(self, lost: Host) -> Host:
+        """No spare is left: the lost node's worker once it is back, on a port
+        COMEBACK_PORT_STEP above the lost one (sky/bootstrap.sh moves a restarted worker
+        there), since Monarch 0.7.0 never attaches a controller to a new worker at the
+        address of one that died under it. The lost address itself comes last: a job group's
+        relaunched task keeps its name and port on a new pod (its attach is untested)."""
+        comebacks = [
+            Host(name=f"{lost.name}-p{port}", ip=lost.ip, port=port)
+            for port in range(lost.port + COMEBACK_PORT_STEP, 65536, COMEBACK_PORT_STEP)[:COMEBACK_PORTS]
+        ]
+        return self._wait_up(*comebacks, lost)
+
+    def _wait_up(self, *hosts: Host) -> Host:
+        """The first of `hosts` whose worker listens (within wait_s)."""
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            for host in hosts:
+                if self.alive(host):
+                    return host
+            if time.monotonic() > deadline:
+                where = " or ".join(h.address for h in hosts)
+                raise HostError(f"no worker listening at {where} within {self.wait_s:.0f}s")
+            if self._closed.wait(1.0):
+                raise HostError("the run is shutting down")
+
+    def controller_ip(self) -> str:
+        return self._controller_ip
+
+    def shutdown(self) -> None:
+        self._closed.set()  # the workers belong to the nodes; Monarch stops our processes

@@ -1,0 +1,170 @@
+"""`SkyPilotHosts`: fixed node addresses, plus replacement nodes launched through SkyPilot.
+
+A replacement is a new one-node cluster launched with the `sky` CLI from the recipe YAML
+the cluster came from (worker role only), on the same infra and region as this cluster
+(SkyPilot's SKYPILOT_CLUSTER_INFO), torn down when the run ends. Its address is what
+`sky status --ip` prints: on Kubernetes the head pod's internal IP, on Slurm the node's
+address; recipes target no other infra. SkyPilot lives in its own venv (its click pin
+conflicts with wandb's), hence the CLI rather than its API. Every `sky` call is bounded,
+and a run that shuts down ends a launch in flight.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from monarch_sky.hosts.addresses import AddressListHosts
+from monarch_sky.hosts.base import Host, HostError
+
+
+class SkyPilotHosts(AddressListHosts):
+    """Replacement hosts are launched through the `sky` CLI (SkyPilot lives in its own venv:
+    its click pin conflicts with wandb's), from the recipe YAML the cluster came from."""
+
+    def __init__(
+        self,
+        addresses: list[str],
+        controller_ip: str,
+        recipe_yaml: str,
+        cluster_prefix: str,
+        port: int = 26600,
+        sky: str = "sky",
+        wait_s: float = 1800.0,
+    ):
+        super().__init__(addresses, controller_ip, wait_s=wait_s)
+        self.cluster_info = this_cluster()
+        self.recipe_yaml = recipe_yaml
+        self.cluster_prefix = cluster_prefix
+        self.port = port
+        self.sky = sky
+        self.launched: list[str] = []
+
+    def provision(self, lost: Host) -> Host:
+        import tempfile
+
+        import yaml
+
+        with self.lock:  # two groups lost in one tick get two clusters
+            cluster = f"{self.cluster_prefix}-r{len(self.launched)}"
+            self.launched.append(cluster)
+        config = replacement_task(load_recipe(self.recipe_yaml), cluster, self.port, self.cluster_info)
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            yaml.safe_dump(config, f)
+        # The run's CA and the hub token travel from this node's environment, never through the YAML file.
+        secrets = [arg for name in FORWARDED_SECRETS if os.environ.get(name) for arg in ("--secret", name)]
+        self._sky("launch", "-y", "--detach-run", "-c", cluster, *secrets, f.name)
+        ip = self._sky("status", "--ip", cluster).strip().splitlines()[-1]
+        host = Host(name=cluster, ip=ip, port=self.port)
+        self._wait_up(host)
+        return host
+
+    def shutdown(self) -> None:
+        """Take down every replacement cluster; raises HostError naming any left up."""
+        super().shutdown()
+        failed = []
+        with self.lock:
+            launched = list(self.launched)
+        for cluster in launched:
+            try:
+                self._sky("down", "-y", cluster, timeout_s=600, cancellable=False)
+            except HostError as e:
+                failed.append(f"{cluster} ({e})")
+        if failed:
+            raise HostError(f"replacement clusters may still be up, take them down with `sky down`: {'; '.join(failed)}")
+
+    def _sky(self, *args: str, timeout_s: float | None = None, cancellable: bool = True) -> str:
+        """Run the sky CLI; a run that shuts down ends a cancellable call at once."""
+        import tempfile
+
+        command = f"sky {' '.join(args)}"
+        limit_s = timeout_s or self.wait_s
+        # Files, not pipes: a chatty `sky launch` would block on a full pipe we do not read.
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            try:
+                proc = subprocess.Popen([self.sky, *args], stdout=out, stderr=err, text=True)
+            except OSError as e:
+                raise HostError(f"`{command}` failed: {e}") from None
+            deadline = time.monotonic() + limit_s
+            while proc.poll() is None:
+                if (cancellable and self._closed.is_set()) or time.monotonic() > deadline:
+                    proc.kill()
+                    proc.wait()
+                    why = "the run is shutting down" if self._closed.is_set() else f"it took over {limit_s:.0f}s"
+                    raise HostError(f"`{command}` stopped: {why}")
+                time.sleep(0.5)
+            out.seek(0)
+            err.seek(0)
+            if proc.returncode != 0:
+                raise HostError(f"`{command}` exited {proc.returncode}: {err.read().strip()[-500:]}")
+            return out.read()
+
+
+def sky_cli_problem(sky: str, timeout_s: float = 120.0) -> str | None:
+    """Why the `sky` CLI on this node cannot launch replacements, or None."""
+    try:
+        proc = subprocess.run([sky, "api", "info"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"`{sky} api info` failed: {e}"
+    if proc.returncode != 0:
+        return f"`{sky} api info` exited {proc.returncode}: {proc.stderr.strip()[-300:]}"
+    return None
+
+
+def load_recipe(path: str) -> dict:
+    import yaml
+
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+TLS_SECRETS = ("MONARCH_SKY_TLS_CA", "MONARCH_SKY_TLS_CA_KEY")  # monarch_sky.hosts.tls
+FORWARDED_SECRETS = (*TLS_SECRETS, "HF_TOKEN")  # what a replacement node's setup and worker need
+CLUSTER_INFO_ENV = "SKYPILOT_CLUSTER_INFO"  # {"cluster_name", "cloud", "region", "zone"}
+INFRA_ALIASES = {"k8s": "kubernetes"}
+
+
+def this_cluster() -> dict:
+    """Where the cluster this controller runs in was launched, as SkyPilot tells its tasks."""
+    try:
+        info = json.loads(os.environ.get(CLUSTER_INFO_ENV) or "{}")
+    except json.JSONDecodeError:
+        info = {}
+    if not info.get("cloud"):
+        raise HostError(
+            f"{CLUSTER_INFO_ENV} is not set: replacement nodes are launched on this cluster's infra "
+            "and region, so the controller must run inside a SkyPilot task"
+        )
+    return info
+
+
+def pinned_resources(resources: dict, info: dict) -> dict:
+    """The recipe's resources for the infra and region in `info`: the matching `any_of`
+    candidate (if any) merged in, and `infra` pinned, so a replacement cannot land elsewhere."""
+    cloud = info["cloud"].lower()
+    pinned = {k: v for k, v in resources.items() if k != "any_of"}
+    for candidate in resources.get("any_of") or []:
+        name = str(candidate.get("infra", "")).split("/")[0].lower()
+        if INFRA_ALIASES.get(name, name) == cloud:
+            pinned.update({k: v for k, v in candidate.items() if k != "infra"})
+            break
+    pinned["infra"] = "/".join(str(p) for p in (cloud, info.get("region"), info.get("zone")) if p)
+    return pinned
+
+
+def replacement_task(recipe: dict, cluster: str, port: int, info: dict | None = None) -> dict:
+    """A one-node task from a cluster recipe that only serves one replica group's worker,
+    on the infra and region of this cluster (`info`, default `this_cluster()`)."""
+    task = {k: v for k, v in recipe.items() if k not in ("secrets", "num_nodes", "name")}
+    task["resources"] = pinned_resources(recipe.get("resources") or {}, info or this_cluster())
+    task["name"] = cluster
+    task["num_nodes"] = 1
+    task["envs"] = {
+        **(recipe.get("envs") or {}),
+        "MONARCH_SKY_ROLE": "worker",
+        "REPLICAS_PER_NODE": "1",
+        "WORKER_PORT": str(port),
+    }
+    return task

@@ -1,0 +1,82 @@
+"""DiLoCo's half of a rank's trainer: joining a sync without training, and what a rejoin sends.
+
+A DiLoCo group restarted after a fault heals inside the next sync, not at a step: `join` runs
+the sync with no inner steps, and `_contribute_nothing` keeps the healed group from counting its
+source twice in the outer average. `_align_schedule` keeps the LR schedule on committed progress
+after a failed sync rolled the inner steps back. `GroupTrainer` (`trainer.py`) mixes this in.
+"""
+
+from __future__ import annotations
+
+import time
+
+from monarch_sky.replica import heal_transport
+from monarch_sky.replica.step_result import StepResult
+
+
+class DiLoCoJoin:
+    def _contribute_nothing(self, _state: dict) -> None:
+        """DiLoCo: a rejoining group heals inside the sync, before its pseudo-gradient
+        (original minus current parameters) is computed. Having just received the peer's
+        current parameters, it would send that peer's pseudo-gradient a second time and
+        count the peer twice in the outer average. Resetting its parameters to the healed
+        originals makes its pseudo-gradient zero: it adds nothing to this one sync.
+        """
+        if self._rejoining:
+            for fragment in self._fragments:
+                fragment.restore_parameters()
+
+    def join(self) -> StepResult:
+        """DiLoCo: take part in the next sync without training first.
+
+        Steps the optimizer through one sync interval with no gradients (AdamW skips
+        parameters without one), so DiLoCo's hooks run the sync: the quorum heals this group
+        from a peer. No data is read and no inner step runs on the fresh weights. The
+        controller calls this when the other groups are about to sync.
+        """
+        trainer, start = self.trainer, time.perf_counter()
+        self._decision = None
+        trainer.optimizers.zero_grad()
+        if self.checkpoint is not None:
+            self.checkpoint.before_update()
+        for _ in range(self._sync_steps):
+            trainer.optimizers.step()
+            if self._decision is not None:
+                break
+        self._joined = self._joined or bool(self._decision)
+        self._inner_steps = 0
+        self._align_schedule()
+        healed_now, self._healed_now = self._healed_now, False
+        member, quorum = self._quorum.take()
+        return StepResult(
+            replica=self.spec.replica,
+            step=self.progress(),
+            committed=bool(self._decision),
+            synced=bool(self._decision),
+            loss=None,
+            tokens=0,
+            participants=self.manager.num_participants(),
+            healed=self._healed,
+            healed_now=healed_now,
+            heal_bytes=self._take_heal_bytes(),
+            seconds=time.perf_counter() - start,
+            data_states=(self._data.kept,),
+            member=member,
+            quorum=quorum if self._rank == 0 else (),
+            **heal_transport.step_stats(self.transport),
+        )
+
+    def _align_schedule(self) -> None:
+        """Keep the LR schedule a function of committed progress.
+
+        Needed after a failed DiLoCo sync, which rolls the weights back over the inner
+        steps since the last sync (torchtitan's scheduler would have kept them).
+        """
+        schedulers = self.trainer.lr_schedulers
+        progress = self.progress()
+        if schedulers.schedulers[0].last_epoch == progress:
+            return
+        schedulers.load_state_dict({"last_epoch": progress})
+        for scheduler in schedulers.schedulers:
+            for group, lr in zip(scheduler.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = lr

@@ -1,0 +1,189 @@
+"""monarch-sky's heal transport, between real sockets on this machine: what a rejoining rank
+receives is bit for bit what the serving rank had, strangers get nothing, several sources
+share the work, a slow heal finishes, and a source that goes away fails the heal at once."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from monarch_sky.replica import heal_wire
+from monarch_sky.replica.heal_tcp import TCPHealTransport, fetch, stripes
+from monarch_sky.replica.heal_wire import HealWireError
+
+SECRET = os.urandom(32)
+
+
+def rank_state(n: int = 300_000) -> dict:
+    """Shaped like `healing.RankLocalState.state_dict()` inside TorchFT's manager state."""
+    g = torch.Generator().manual_seed(0)
+    user = {
+        "model": {"tok_embeddings.weight": torch.randn(n, generator=g), "norm.weight": torch.randn(64, generator=g),
+                  "bf16": torch.randn(333, generator=g).to(torch.bfloat16)},
+        "optimizer": [{"tok_embeddings.weight": {"exp_avg": torch.randn(n, generator=g),
+                                                 "exp_avg_sq": torch.rand(n, generator=g), "step": torch.tensor(5.0)}}],
+        "param_groups": [[{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "foreach": None, "name": "adamw"}]],
+        "lr_scheduler": {"last_epoch": 5, "_step_count": 6, "base_lrs": [3e-4]},
+        "ntokens_seen": 12345,
+    }
+    return {"user": {"monarch_sky": user}, "torchft": {"step": 5, "batches_committed": 10}}
+
+
+def assert_same(got, want) -> None:
+    if torch.is_tensor(want):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    elif isinstance(want, dict):
+        assert got.keys() == want.keys()
+        for k in want:
+            assert_same(got[k], want[k])
+    elif isinstance(want, (list, tuple)):
+        assert type(got) is type(want) and len(got) == len(want)
+        for a, b in zip(got, want):
+            assert_same(a, b)
+    else:
+        assert got == want
+
+
+@pytest.fixture
+def pair():
+    serving, receiving = TCPHealTransport("127.0.0.1", SECRET, 10), TCPHealTransport("127.0.0.1", SECRET, 10)
+    yield serving, receiving
+    serving.shutdown()
+    receiving.shutdown()
+
+
+def test_a_heal_arrives_bit_for_bit_and_the_serving_rank_trains_on_at_once(pair):
+    serving, receiving = pair
+    state = rank_state()
+    want = {"user": {"monarch_sky": {k: v for k, v in state["user"]["monarch_sky"].items()}}, "torchft": state["torchft"]}
+    want = torch.utils._pytree.tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, want)
+    serving.send_checkpoint([1], 5, state, timedelta(seconds=5))
+    began = time.perf_counter()
+    serving.disallow_checkpoint()  # the serving group's should_commit: nothing to wait for
+    assert time.perf_counter() - began < 0.5
+    state["user"]["monarch_sky"]["model"]["tok_embeddings.weight"].add_(1.0)  # its optimizer steps on
+    receiving.prepare(heal_wire.layout(want)[3])
+    got = receiving.recv_checkpoint(0, serving.metadata(), 5, timedelta(seconds=5))
+    assert_same(got, want)  # the snapshot, not the live tensors
+    sent, received = serving.take_stats(), receiving.take_stats()
+    assert sent.served_bytes == received.received_bytes == heal_wire.layout(want)[3]
+    assert received.sources == {serving.metadata(): received.received_bytes}
+
+
+def test_a_peer_without_the_runs_secret_gets_nothing(pair):
+    serving, _ = pair
+    serving.send_checkpoint([1], 5, rank_state(1000), timedelta(seconds=5))
+    with pytest.raises((HealWireError, OSError)):
+        fetch([serving.metadata()], 5, os.urandom(32), timeout_s=5)
+    assert serving.server.refused >= 1
+
+
+def test_only_tensors_and_plain_values_cross_the_wire():
+    with pytest.raises(HealWireError, match="only tensors and plain values"):
+        heal_wire.pack({"fn": object()}, step=1)
+
+
+@pytest.fixture
+def rank1_of_two():
+    """This process as rank 1 of a 2-rank world (torch's fake backend: no peer, no traffic)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_diloco_outer_momentum_crosses_as_this_ranks_shard_and_is_rebuilt_on_the_receivers_mesh(pair, rank1_of_two):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh, (serving, receiving) = rank1_of_two, pair
+    shard = torch.arange(12.0).view(3, 4) + 100  # rank 1's rows 3-5 of a (6, 4) parameter
+    momentum = DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=torch.Size([6, 4]),
+                                  stride=(4, 1))
+    scale = DTensor.from_local(torch.ones(4), mesh, [Replicate()], run_check=False)
+    state = {"user": {"StreamingDiLoCoFragment_0": {"outer_optimizer": {"state": {0: {"momentum_buffer": momentum}},
+                                                                        "param_groups": [{"lr": 0.7, "params": [0]}]},
+                                                    "original_parameters": {"w": shard.clone()}},
+                      "scale": scale}, "torchft": {"step": 2}}
+    serving.send_checkpoint([1], 2, state, timedelta(seconds=5))
+    receiving.mesh = mesh
+    got = receiving.recv_checkpoint(1, serving.metadata(), 2, timedelta(seconds=5))
+    fragment = got["user"]["StreamingDiLoCoFragment_0"]
+    buf = fragment["outer_optimizer"]["state"][0]["momentum_buffer"]
+    assert isinstance(buf, DTensor) and buf.device_mesh is mesh and buf.placements == (Shard(0),)
+    assert buf.shape == (6, 4) and torch.equal(buf.to_local(), shard)
+    assert isinstance(got["user"]["scale"], DTensor) and got["user"]["scale"].placements == (Replicate(),)
+    assert torch.equal(fragment["original_parameters"]["w"], shard)
+    assert fragment["outer_optimizer"]["param_groups"] == [{"lr": 0.7, "params": [0]}]
+    receiving.mesh = None  # a rank that gave no mesh is told why, not handed plain tensors
+    with pytest.raises(HealWireError, match="device mesh"):
+        receiving.recv_checkpoint(1, serving.metadata(), 2, timedelta(seconds=5))
+
+
+def test_a_heal_is_striped_over_every_source_of_the_same_step():
+    sources = [TCPHealTransport("127.0.0.1", SECRET, 10) for _ in range(2)]
+    try:
+        state = rank_state()
+        for s in sources:
+            s.send_checkpoint([1], 5, state, timedelta(seconds=5))
+        got, per_source = fetch([s.metadata() for s in sources], 5, SECRET, timeout_s=5, streams=3)
+        assert_same(got, state)
+        assert sorted(per_source) == sorted(s.metadata() for s in sources)
+        assert all(n > 0 for n in per_source.values())
+        assert abs(per_source[sources[0].metadata()] - per_source[sources[1].metadata()]) <= 2 * heal_wire.ALIGN
+    finally:
+        for s in sources:
+            s.shutdown()
+
+
+def test_stripes_cover_the_buffer_once():
+    parts = stripes(1000, ["a", "b"], 3)
+    covered = sorted((a, b) for _, a, b in parts)
+    assert covered[0][0] == 0 and covered[-1][1] == 1000
+    assert all(prev[1] == nxt[0] for prev, nxt in zip(covered, covered[1:]))
+    assert {src for src, _, _ in parts} == {"a", "b"}
+
+
+def test_a_heal_three_times_longer_than_the_transports_timeout_still_finishes(monkeypatch):
+    # The only bound is per socket operation: a slow heal that keeps moving is never cut off.
+    monkeypatch.setenv("MONARCH_SKY_TEST_HEAL_PACE", str(1_000_000))  # 1 MB/s per connection
+    serving = TCPHealTransport("127.0.0.1", SECRET, timeout_s=0.5)
+    try:
+        state = rank_state(300_000)  # ~3.6 MB over one connection: ~3.6 s
+        serving.send_checkpoint([1], 5, state, timedelta(seconds=1))
+        began = time.perf_counter()
+        got, _ = fetch([serving.metadata()], 5, SECRET, timeout_s=0.5, streams=1)
+        seconds = time.perf_counter() - began
+        assert seconds > 3 * 0.5, f"test premise: the heal must outlast the timeout three times ({seconds:.2f}s)"
+        assert_same(got, state)
+    finally:
+        serving.shutdown()
+
+
+def test_a_source_that_goes_away_mid_heal_fails_the_heal_without_a_hang(monkeypatch):
+    monkeypatch.setenv("MONARCH_SKY_TEST_HEAL_PACE", str(500_000))
+    serving = TCPHealTransport("127.0.0.1", SECRET, timeout_s=30)
+    serving.send_checkpoint([1], 5, rank_state(), timedelta(seconds=1))
+    threading.Timer(0.5, serving.shutdown).start()
+    began = time.perf_counter()
+    with pytest.raises((HealWireError, OSError)):
+        fetch([serving.metadata()], 5, SECRET, timeout_s=30)
+    assert time.perf_counter() - began < 10, "the break must be seen at once, not at the 30 s timeout"
+
+
+def test_a_step_nobody_serves_fails_within_the_receivers_timeout(pair):
+    serving, _ = pair
+    serving.send_checkpoint([1], 5, rank_state(1000), timedelta(seconds=5))
+    began = time.perf_counter()
+    with pytest.raises((HealWireError, OSError)):
+        fetch([serving.metadata()], 6, SECRET, timeout_s=1)
+    assert time.perf_counter() - began < 5
