@@ -37,7 +37,7 @@ def mesh_owner(mesh_name: str) -> str:
 
 
 class FailureRouter:
-    """Installs itself as Monarch's unhandled fault hook; call `uninstall()` when done."""
+    """Installs itself as Monarch's unhandled fault hook; call `uninstall()` when the run ends."""
 
     def __init__(self, on_failure: Callable[[str, str], None]):
         self._on_failure = on_failure  # (owner, report) -> None; called on a Monarch thread
@@ -45,7 +45,6 @@ class FailureRouter:
         self._lock = threading.Lock()
         import monarch.actor
 
-        self._previous = monarch.actor.unhandled_fault_hook
         monarch.actor.unhandled_fault_hook = self._hook
 
     def watch(self, owner: str) -> None:
@@ -69,9 +68,17 @@ class FailureRouter:
             log.exception("fault hook failed")
 
     def uninstall(self) -> None:
+        """Stop routing. A failure that still comes (a mesh of the ended run timing out while it
+        stops) is logged, never handed back to Monarch's default hook: that would exit a
+        controller whose run already ended (seen once: a killed generation's proc agent timed out
+        during the final reap, and a run that had reached its target exited -2)."""
         import monarch.actor
 
-        monarch.actor.unhandled_fault_hook = self._previous
+        monarch.actor.unhandled_fault_hook = _after_the_run
+
+
+def _after_the_run(failure) -> None:
+    log.info("ignoring a failure after the run ended: mesh %s", getattr(failure, "mesh_name", "?"))
 
 
 def short_reason(report: str) -> str:
