@@ -17,6 +17,7 @@ SKY=${SKY:-$REPO/.venv-sky/bin/sky}
 CLUSTER=${E2E_CLUSTER:-e2e}
 SSH_PORT=${E2E_SSH_PORT:-2222}
 HOST=$(hostname -s)
+. "$REPO/tools/slurm_lib.sh"
 say() { echo "[e2e-sky] $*"; }
 die() { echo "[e2e-sky] $*" >&2; exit 1; }
 
@@ -30,47 +31,26 @@ if ! command -v slurmctld > /dev/null || ! command -v sshd > /dev/null; then
 fi
 
 say "user sky, reachable by ssh on 127.0.0.1:$SSH_PORT"
-id sky > /dev/null 2>&1 || useradd -m -s /bin/bash sky
-mkdir -p /root/.ssh /home/sky/.ssh /run/sshd
-[ -f /root/.ssh/sky-slurm ] || ssh-keygen -q -t ed25519 -N '' -f /root/.ssh/sky-slurm
-cp /root/.ssh/sky-slurm.pub /home/sky/.ssh/authorized_keys
-chown -R sky:sky /home/sky/.ssh && chmod 700 /home/sky/.ssh && chmod 600 /home/sky/.ssh/authorized_keys
-ssh-keygen -A > /dev/null
-pgrep -f "sshd.*$SSH_PORT" > /dev/null || /usr/sbin/sshd -o Port="$SSH_PORT" -o ListenAddress=127.0.0.1
-# What every shell and srun step of user sky sees: uv trusts the system CA store and never
-# downloads a Python; pip finds the local torch wheel.
-cat > /etc/environment << 'EOF'
-SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
-UV_NATIVE_TLS=true
-UV_PYTHON_DOWNLOADS=never
-SKYPILOT_DISABLE_USAGE_COLLECTION=1
-EOF
+sky_user_sshd 127.0.0.1 "$SSH_PORT"
+sky_environment
 
 say "munge and a one-node Slurm cluster with gpu:mi300x:8"
-[ -f /etc/munge/munge.key ] || mungekey --create 2> /dev/null || create-munge-key
-chown munge:munge /etc/munge/munge.key
-pgrep munged > /dev/null || service munge start > /dev/null
+munge_up
 mkdir -p /etc/slurm /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm
 chown -R slurm:slurm /var/lib/slurm /var/log/slurm 2> /dev/null || true
-for i in 0 1 2 3 4 5 6 7; do touch "/dev/fakegpu$i"; done
+fake_gpus
 MEM=$(($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048))
-cat > /etc/slurm/slurm.conf << EOF
-ClusterName=local
-SlurmctldHost=$HOST(127.0.0.1)
-AuthType=auth/munge
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core_Memory
-GresTypes=gpu
+{
+  slurm_conf_head local "$HOST" 127.0.0.1
+  cat << EOF
 StateSaveLocation=/var/lib/slurm/slurmctld
 SlurmdSpoolDir=/var/lib/slurm/slurmd
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
-ReturnToService=2
 NodeName=$HOST NodeAddr=127.0.0.1 CPUs=$(nproc) RealMemory=$MEM Gres=gpu:mi300x:8 State=UNKNOWN
 PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
+} > /etc/slurm/slurm.conf
 echo "NodeName=$HOST Name=gpu Type=mi300x File=/dev/fakegpu[0-7]" > /etc/slurm/gres.conf
 pgrep slurmctld > /dev/null || slurmctld
 pgrep slurmd > /dev/null || slurmd
@@ -79,27 +59,12 @@ scontrol update nodename="$HOST" state=resume 2> /dev/null || true
 sinfo
 
 say "SkyPilot: ~/.slurm/config and sky check"
-mkdir -p /root/.slurm
-cat > /root/.slurm/config << EOF
-Host localcluster
-  HostName 127.0.0.1
-  Port $SSH_PORT
-  User sky
-  IdentityFile /root/.ssh/sky-slurm
-  IdentitiesOnly yes
-EOF
-export SKYPILOT_DISABLE_USAGE_COLLECTION=1
-"$SKY" check slurm
-"$SKY" show-gpus --infra slurm || true
+sky_slurm_config localcluster 127.0.0.1 "$SSH_PORT"
 
 say "taking down any earlier $CLUSTER cluster, then pre-seeding uv and SkyPilot's runtime venv"
 "$SKY" down -y "$CLUSTER" > /dev/null 2>&1 || true
 NAME=$CLUSTER-$(cat /root/.sky/user_hash)
-UVDIR=$(mktemp -d)
-"$REPO/.venv/bin/python" -m pip download --quiet --no-deps --only-binary=:all: -d "$UVDIR" uv
-unzip -qoj "$UVDIR"/uv-*.whl '*/scripts/uv' -d "$UVDIR"
-install -D -m 755 -o sky -g sky "$UVDIR/uv" "/home/sky/.sky_clusters/$NAME/.local/bin/uv"
-chown -R sky:sky /home/sky/.sky_clusters
+seed_uv "/home/sky/.sky_clusters/$NAME"
 sudo -u sky mkdir -p "/tmp/$NAME"
 [ -d "/tmp/$NAME/skypilot-runtime" ] || sudo -u sky /usr/bin/python3 -m venv "/tmp/$NAME/skypilot-runtime"
 

@@ -20,7 +20,7 @@
 # comes back: a fresh slurmd in fresh namespaces at the same address, and the command SkyPilot
 # ran on that node (sky/bootstrap.sh, node rank 2, the same env) is started again inside the
 # same Slurm allocation (srun --overlap --jobid), which is what the recipe's HOST_REPLACEMENT=none
-# path waits for (monarch_sky/address_hosts.py AddressListHosts.replace: the node's worker once it
+# path waits for (monarch_sky/hosts/addresses.py AddressListHosts.replace: the node's worker once it
 # listens again, within hosts.provision_timeout_s). Monarch (torchmonarch 0.7.0) never attaches
 # a controller to a new worker at the address of one that died under it (`attach failed: ...
 # MESH_ATTACH_CONFIG_TIMEOUT`), so the bootstrap, finding its node-local state of the earlier
@@ -83,6 +83,7 @@ LOG=$WORK/launch.log            # `sky launch` output
 TSLOG=$WORK/launch.ts.log       # the same, each line prefixed with its arrival time
 HOST=$(hostname -s)
 MARK="e2e-sky-nodes"
+. "$REPO/tools/slurm_lib.sh"
 say() { echo "[e2e-sky-nodes] $*"; }
 die() { echo "[e2e-sky-nodes] FAILED: $*" >&2; exit 1; }
 now() { printf '%s' "$EPOCHREALTIME"; }
@@ -184,13 +185,7 @@ done
 } >> /etc/hosts
 
 say "user sky; sshd on $LOGIN:$SSH_PORT (the login node); tinyproxy on $LOGIN:$PROXY_PORT (PyPI only)"
-id sky > /dev/null 2>&1 || useradd -m -s /bin/bash sky
-mkdir -p /root/.ssh /home/sky/.ssh /run/sshd
-[ -f /root/.ssh/sky-slurm ] || ssh-keygen -q -t ed25519 -N '' -f /root/.ssh/sky-slurm
-cp /root/.ssh/sky-slurm.pub /home/sky/.ssh/authorized_keys
-chown -R sky:sky /home/sky/.ssh && chmod 700 /home/sky/.ssh && chmod 600 /home/sky/.ssh/authorized_keys
-ssh-keygen -A > /dev/null
-/usr/sbin/sshd -o Port="$SSH_PORT" -o ListenAddress="$LOGIN" -o PidFile=/run/sshd-$MARK.pid
+sky_user_sshd "$LOGIN" "$SSH_PORT" /run/sshd-$MARK.pid
 printf '%s\n' 'pypi\.org$' 'files\.pythonhosted\.org$' > "$WORK/proxy-allow"
 cat > "$WORK/tinyproxy.conf" << EOF
 User tinyproxy
@@ -210,49 +205,32 @@ chmod 644 "$WORK/tinyproxy.conf" "$WORK/proxy-allow"
 touch "$WORK/tinyproxy.log" && chown tinyproxy "$WORK/tinyproxy.log" 2> /dev/null || true
 tinyproxy -c "$WORK/tinyproxy.conf"
 # What every shell and srun step of user sky sees (sshd's PAM reads it; srun passes it on):
-# uv trusts the system CA store and never downloads a Python; pip and uv reach PyPI through
-# the proxy and nothing else; the cluster's own addresses never go through it.
+# pip and uv reach PyPI through the proxy and nothing else; the cluster's own addresses never
+# go through it.
 [ -f "$WORK/environment.orig" ] || cp /etc/environment "$WORK/environment.orig" 2> /dev/null || : > "$WORK/environment.orig"
-cat > /etc/environment << EOF
-SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
-UV_NATIVE_TLS=true
-UV_SYSTEM_CERTS=true
-UV_PYTHON_DOWNLOADS=never
-SKYPILOT_DISABLE_USAGE_COLLECTION=1
-HTTPS_PROXY=http://$LOGIN:$PROXY_PORT
-https_proxy=http://$LOGIN:$PROXY_PORT
-NO_PROXY=localhost,127.0.0.1,$NET.0/24,e2e-login,$(for ((i = 1; i <= NODES; i++)); do printf 'e2e-n%s,' "$i"; done)$HOST
-no_proxy=localhost,127.0.0.1,$NET.0/24,e2e-login,$(for ((i = 1; i <= NODES; i++)); do printf 'e2e-n%s,' "$i"; done)$HOST
-EOF
+NO_PROXY_LIST="localhost,127.0.0.1,$NET.0/24,e2e-login,$(for ((i = 1; i <= NODES; i++)); do printf 'e2e-n%s,' "$i"; done)$HOST"
+sky_environment "HTTPS_PROXY=http://$LOGIN:$PROXY_PORT" "https_proxy=http://$LOGIN:$PROXY_PORT" \
+  "NO_PROXY=$NO_PROXY_LIST" "no_proxy=$NO_PROXY_LIST"
 
 # --- Slurm: slurmctld here, one slurmd per node namespace ------------------------------------
 say "munge and a $NODES-node Slurm cluster, gpu:mi300x:8 per node"
-[ -f /etc/munge/munge.key ] || mungekey --create 2> /dev/null || create-munge-key
-chown munge:munge /etc/munge/munge.key
-if ! pgrep -x munged > /dev/null; then service munge start > /dev/null && CREATED_MUNGE=1; fi
+munge_up
+CREATED_MUNGE=$MUNGE_STARTED
 mkdir -p /etc/slurm /var/lib/slurm/$MARK/ctld /var/log/slurm
 for ((i = 1; i <= NODES; i++)); do mkdir -p "/var/lib/slurm/$MARK/$(ns "$i")" "$WORK/n$i/tmp"; chmod 1777 "$WORK/n$i/tmp"; done
 chown -R slurm:slurm /var/lib/slurm/$MARK /var/log/slurm 2> /dev/null || true
-for g in 0 1 2 3 4 5 6 7; do touch "/dev/fakegpu$g"; done
+fake_gpus
 MEM=$((($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048) / NODES))
 CPUS=$(nproc)
 {
+  slurm_conf_head "$INFRA" "$HOST" "$LOGIN"
   cat << EOF
-ClusterName=$INFRA
-SlurmctldHost=$HOST($LOGIN)
-AuthType=auth/munge
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_Core_Memory
-GresTypes=gpu
 StateSaveLocation=/var/lib/slurm/$MARK/ctld
 SlurmctldPidFile=/run/slurmctld-$MARK.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld-$MARK.log
 SlurmdSpoolDir=/var/lib/slurm/$MARK/%n
 SlurmdPidFile=/run/slurmd-%n.pid
 SlurmdLogFile=/var/log/slurm/slurmd-%n.log
-ReturnToService=2
 EOF
   for ((i = 1; i <= NODES; i++)); do
     echo "NodeName=$(ns "$i") NodeAddr=$NET.$i CPUs=$CPUS RealMemory=$MEM Gres=gpu:mi300x:8 State=UNKNOWN"
@@ -293,30 +271,13 @@ if [ -f /root/.slurm/config ]; then
 else
   touch "$WORK/slurm-config.absent"
 fi
-cat > /root/.slurm/config << EOF
-Host $INFRA
-  HostName $LOGIN
-  Port $SSH_PORT
-  User sky
-  IdentityFile /root/.ssh/sky-slurm
-  IdentitiesOnly yes
-  StrictHostKeyChecking no
-  UserKnownHostsFile /dev/null
-EOF
-export SKYPILOT_DISABLE_USAGE_COLLECTION=1
-"$SKY" check slurm
-"$SKY" show-gpus --infra slurm || true
+sky_slurm_config "$INFRA" "$LOGIN" "$SSH_PORT" "StrictHostKeyChecking no" "UserKnownHostsFile /dev/null"
 
 say "taking down any earlier $CLUSTER cluster, then pre-seeding uv and each node's SkyPilot runtime venv"
 "$SKY" down -y "$CLUSTER" > /dev/null 2>&1 || true
 NAME=$CLUSTER-$(cat /root/.sky/user_hash)
 CHOME=/home/sky/.sky_clusters/$NAME  # the cluster's shared home: HOME of every setup and run
-UVDIR=$(mktemp -d)
-"$REPO/.venv/bin/python" -m pip download --quiet --no-deps --only-binary=:all: -d "$UVDIR" uv
-unzip -qoj "$UVDIR"/uv-*.whl '*/scripts/uv' -d "$UVDIR"
-install -D -m 755 -o sky -g sky "$UVDIR/uv" "$CHOME/.local/bin/uv"
-rm -rf "$UVDIR"
-chown -R sky:sky /home/sky/.sky_clusters
+seed_uv "$CHOME"
 for ((i = 1; i <= NODES; i++)); do  # the runtime dir is node-local (/tmp/<cluster>): seed it on each node
   nsenter -t "$(node_pid "$i")" -m -u sudo -u sky sh -c \
     "mkdir -p /tmp/$NAME && { [ -d /tmp/$NAME/skypilot-runtime ] || /usr/bin/python3 -m venv /tmp/$NAME/skypilot-runtime; }"
