@@ -181,6 +181,8 @@ def test_the_real_scale_sweeps_smallest_point_heals_the_killed_group(tmp_path):
     [row] = json.loads((tmp_path / "scale-groups.json").read_text())["rows"]
     assert row["groups"] == 4 and row["digests_equal"], row
     assert row["survivors_resumed_s"] < wait_s / 2, f"the survivors waited for the one stuck in a collective: {row}"
-    assert 0 < row["detected_s"] <= row["survivors_resumed_s"] and row["detected_s"] <= row["rejoined_s"], row
+    # The survivors' own TorchFT may commit before the controller hears of the death: no order
+    # between detected_s and survivors_resumed_s is promised, only that the respawn follows it.
+    assert 0 < row["detected_s"] <= row["rejoined_s"] and row["survivors_resumed_s"] > 0, row
     assert min(row["build_s"], row["standby_s"], row["first_step_s"], row["step_s"]) > 0, row
     assert (tmp_path / "scale-groups.png").stat().st_size > 0
