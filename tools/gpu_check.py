@@ -1,28 +1,26 @@
 #!/usr/bin/env python3
-"""One-shot accelerator check of monarch-sky's training stack: TorchTitan and TorchFT.
+"""One-shot accelerator check of monarch-sky's training stack: TorchTitan, TorchFT, the heal.
 
-Each phase runs in its own subprocess with its own timeout, so a failing or hanging phase
-loses only itself. Results go to one JSON file (--out), rewritten after every phase; full
-logs (including the worker processes') go to a folder beside it.
+Each phase runs in its own process group with its own timeout, so a failing or hanging phase
+loses only itself. Results go to one JSON file (--out), rewritten after every phase; full logs
+(the workers' too) go to a folder beside it.
 
   env           Python, torch, CUDA, NCCL, the GPU; whether torchft and torchtitan import, and
                 which torch-version shims TorchTitan 0.3.0 (built for torch 2.13) needed.
-  titan_debug   TorchTitan's llama3 debugmodel in bf16: forward+backward+AdamW step time,
-                tokens/s, peak memory; FlexAttention compiled as TorchTitan runs it, vs SDPA.
-  heal_rates    TorchFT's heal transports between two processes: HTTPTransport, PGTransport
-                over gloo, and over NCCL (which may refuse two ranks on one GPU). GB/s per
-                size, and a bit-exact check of what arrived.
+  titan_debug   TorchTitan's llama3 debugmodel in bf16: step time, tokens/s, peak memory;
+                FlexAttention compiled as TorchTitan runs it, against SDPA (gpu_check_titan.py).
+  heal          `make bench-heal --device <dev>`: monarch-sky's tcp heal against raw TCP and
+                TorchFT's http and gloo transports, the state on the device, checked bit for bit.
   ft_kill_heal  A real TorchFT recovery: a lighthouse, two replica groups training the debug
-                llama3; replica 1 is SIGKILLed, restarted, and heals from replica 0 over the
-                network. Detection, rejoin and heal times; final parameter digests.
-  titan_8b      As titan_debug with Llama3-8B's config cut to 4 layers (GPU only; run last, as
-                its FlexAttention autotuning is the slowest step).
+                llama3; one is SIGKILLed, restarted, and heals from the other (gpu_check_ft.py).
+  titan_8b      As titan_debug with Llama3-8B's config cut to 4 layers (GPU only, run last: its
+                FlexAttention autotuning is the slowest step).
 
 Monarch is absent on purpose: its wheel (~290 MB, built against torch 2.13) cannot travel to
-the GPU machine, which has torch 2.11. Monarch only spawns and supervises the processes; what
-touches the accelerator is TorchTitan's model and TorchFT's collectives and transports.
+the device machine, whose torch is older. What touches the accelerator is TorchTitan's model,
+TorchFT's collectives and the heal transports, and those run here.
 
-Runs on CPU as well (device auto-detected; --scale small there), to try every phase first:
+Runs on CPU too (device auto-detected; --scale small there), to try every phase first:
   python tools/gpu_check.py [--out gpu_check.json] [--scale small|full] [--phases a,b]
 """
 
@@ -33,27 +31,99 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_check_common import Result, error_text, spawn, tail  # noqa: E402
-
+TOOLS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TOOLS)
 # name, target, timeout (s) at scale full, at scale small (0: not run at that scale)
 PHASES = [
     ("env", "gpu_check:phase_env", 60, 120),
     ("titan_debug", "gpu_check_titan:phase_debug", 110, 240),
-    ("heal_rates", "gpu_check_heal:phase", 110, 180),
+    ("heal", "gpu_check:phase_heal", 110, 180),
     ("ft_kill_heal", "gpu_check_ft:phase", 150, 300),
     ("titan_8b", "gpu_check_titan:phase_8b", 110, 0),
 ]
 BUDGET_S = {"full": 345, "small": 900}
 RESERVE_S = 20  # kept back for each phase still to come
-PACKAGES = ("torch", "triton", "numpy", "torchft", "torchtitan", "spmd_types", "torch_checkpointing",
-            "torchdata", "tyro", "typeguard", "opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http",
-            "protobuf", "googleapis-common-protos", "typing_extensions")
+HEAL_GB = {"full": "1,4", "small": "0.0625,0.25"}
+HEAL_TRANSPORTS = "raw,tcp,tcp x2,http,pg_gloo"
+PACKAGES = ("torch", "triton", "numpy", "torchft", "torchtitan", "torchdata", "tyro")
+
+
+class Result(dict):
+    """A phase's results, rewritten to `path` on every `set`: a killed phase keeps what it had."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path = path
+
+    def set(self, **values) -> None:
+        self.update(values)
+        with open(f"{self.path}.tmp", "w") as f:
+            json.dump(self, f, indent=1, default=str)
+        os.replace(f"{self.path}.tmp", self.path)
+
+
+def say(msg: str) -> None:
+    """A progress line; the driver echoes lines starting with '# ' to its console."""
+    print(f"# {msg}", flush=True)
+
+
+def error_text(exc: BaseException, limit: int = 3000) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-limit:]
+
+
+def tail(path: str, limit: int = 3000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - limit))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def spawn(target: str, kwargs: dict, log_path: str, *, pipe: bool = False,
+          new_session: bool = False, env: dict | None = None) -> subprocess.Popen:
+    """Run `module:function(**kwargs)` (a module in tools/) in a fresh interpreter; its output
+    goes to `log_path`, or to a pipe when `pipe` (the caller then owns the logging)."""
+    module, func = target.split(":")
+    code = (f"import sys, json; sys.path.insert(0, {TOOLS!r}); import {module}; "
+            f"{module}.{func}(**json.loads(sys.argv[1]))")
+    return subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(kwargs)], stdout=subprocess.PIPE if pipe else open(log_path, "ab"),
+        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=new_session,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def run_phase(target: str, result_path: str, **kwargs) -> None:
+    """A phase process: runs `module:function(res, **kwargs)`; exits 1 on an exception."""
+    import importlib
+
+    module, func = target.split(":")
+    res = Result(result_path)
+    try:
+        getattr(importlib.import_module(module), func)(res, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - recorded in the result, and the phase fails
+        res.set(error=error_text(exc))
+        print(res["error"], file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)  # torchft/inductor threads must not hold the phase open
+
+
+def quiet_cpu(device: str) -> None:
+    """On CPU (a shared, small machine) each worker uses one thread."""
+    if device == "cpu":
+        import torch
+
+        torch.set_num_threads(1)
 
 
 def phase_env(res: Result, **_) -> None:
@@ -62,12 +132,15 @@ def phase_env(res: Result, **_) -> None:
 
     import torch
 
-    res.set(python=platform.python_version(), executable=sys.executable, torch=torch.__version__,
-            torch_cuda=torch.version.cuda, cuda_available=torch.cuda.is_available(),
-            cpus=os.cpu_count())
+    try:
+        socket.getaddrinfo(socket.gethostname(), None)
+        resolves = True
+    except OSError:
+        resolves = False  # the TorchFT phase then advertises 'localhost'
+    res.set(python=platform.python_version(), torch=torch.__version__, torch_cuda=torch.version.cuda,
+            cuda_available=torch.cuda.is_available(), cpus=os.cpu_count(), hostname_resolves=resolves)
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        nccl = torch.cuda.nccl.version()
+        props, nccl = torch.cuda.get_device_properties(0), torch.cuda.nccl.version()
         res.set(gpu=props.name, gpu_count=torch.cuda.device_count(), capability=f"{props.major}.{props.minor}",
                 gpu_mem_gib=round(props.total_memory / 2**30, 1),
                 nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl)
@@ -77,49 +150,34 @@ def phase_env(res: Result, **_) -> None:
             versions[name] = md.version(name)
         except md.PackageNotFoundError:
             versions[name] = None
-    res.set(packages=versions, imports=_import_checks(), network=_network_checks())
+    res.set(packages=versions, imports=_import_checks())
 
 
 def _import_checks() -> dict:
+    import importlib
+
     out = {}
-    try:
-        import torchft
-        import torchft.manager  # noqa: F401
-
-        out["torchft"] = {"ok": True, "file": torchft.__file__}
-    except Exception as exc:  # noqa: BLE001
-        out["torchft"] = {"ok": False, "error": error_text(exc, 1500)}
-    raw = subprocess.run([sys.executable, "-c", "import torchtitan.models.llama3"],
-                         capture_output=True, text=True, timeout=90)
-    out["torchtitan_unpatched"] = {"ok": raw.returncode == 0, "error": raw.stderr[-1500:] or None}
-    try:
-        from gpu_check_titan import apply_compat
-
-        shims = apply_compat()
-        import torchtitan.models.llama3  # noqa: F401
-
-        out["torchtitan"] = {"ok": True, "shims": shims, "file": torchtitan.__file__}
-    except Exception as exc:  # noqa: BLE001
-        out["torchtitan"] = {"ok": False, "error": error_text(exc, 1500)}
+    for name in ("torchft.manager", "torchtitan.models.llama3"):
+        try:
+            shims = __import__("gpu_check_titan").apply_compat() if name.startswith("torchtitan") else None
+            importlib.import_module(name)
+            out[name.split(".")[0]] = {"ok": True, "shims": shims}
+        except Exception as exc:  # noqa: BLE001
+            out[name.split(".")[0]] = {"ok": False, "error": error_text(exc, 1500)}
     return out
 
 
-def _network_checks() -> dict:
-    import socket
-
-    out = {"hostname": socket.gethostname()}
-    try:
-        socket.getaddrinfo(out["hostname"], None)
-        out["hostname_resolves"] = True
-    except OSError:
-        out["hostname_resolves"] = False  # the phases then advertise 'localhost'
-    try:  # TorchFT's manager and HTTP transport bind [::]
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::", 0))
-        out["ipv6_bind"] = True
-    except OSError as exc:
-        out["ipv6_bind"] = repr(exc)
-    return out
+def phase_heal(res: Result, device: str, scale: str, logdir: str, timeout_s: float, **_) -> None:
+    """monarch-sky's own heal benchmark with the state on this device."""
+    out = os.path.join(logdir, "heal")
+    cmd = [sys.executable, "-m", "monarch_sky.bench.heal", "--device", device, "--gb", HEAL_GB[scale],
+           "--transports", HEAL_TRANSPORTS, "--timeout-s", "60", "--out", out]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+    say(" ".join(cmd[1:]))
+    proc = subprocess.run(cmd, env=env, timeout=max(10.0, timeout_s - 10), stdout=sys.stdout, stderr=subprocess.STDOUT)
+    with open(os.path.join(out, "bench-heal.json")) as f:
+        rows = json.load(f)["rows"]
+    res.set(exit_code=proc.returncode, rows=rows)
 
 
 def _summary(name: str, result: dict) -> str:
@@ -129,9 +187,10 @@ def _summary(name: str, result: dict) -> str:
         return (f"torch {result.get('torch')} cuda {result.get('torch_cuda')} nccl {result.get('nccl')} "
                 f"{result.get('gpu', 'no GPU')}; torchft {'ok' if imports.get('torchft', {}).get('ok') else 'FAILED'}; "
                 f"torchtitan {'ok' if titan.get('ok') else 'FAILED'} (shims: {titan.get('shims') or 'none'})")
-    module = {"titan_debug": "gpu_check_titan", "titan_8b": "gpu_check_titan",
-              "heal_rates": "gpu_check_heal", "ft_kill_heal": "gpu_check_ft"}[name]
-    return __import__(module).summarize(result)
+    if name == "heal":
+        return "; ".join(f"{r['gb']}GB {r['transport']} " + (f"{r['gb_per_s']}GB/s equal={r.get('equal')}"
+                         if "gb_per_s" in r else "error") for r in result.get("rows", [])) or "no row"
+    return __import__("gpu_check_ft" if name == "ft_kill_heal" else "gpu_check_titan").summarize(result)
 
 
 def _echo(proc: subprocess.Popen, log_path: str, name: str) -> threading.Thread:
@@ -154,7 +213,7 @@ def run_one(name: str, target: str, timeout: float, args, logdir: str) -> dict:
     kwargs = dict(target=target, result_path=result_path, device=args.device, scale=args.scale,
                   logdir=logdir, flex_compile=args.flex_compile, timeout_s=timeout)
     start = time.time()
-    proc = spawn("gpu_check_common:run_phase", kwargs, log_path, pipe=True, new_session=True, env=env)
+    proc = spawn("gpu_check:run_phase", kwargs, log_path, pipe=True, new_session=True, env=env)
     echo = _echo(proc, log_path, name)
     try:
         proc.wait(timeout=timeout)
@@ -172,8 +231,7 @@ def run_one(name: str, target: str, timeout: float, args, logdir: str) -> dict:
             result = json.load(f)
     except (OSError, json.JSONDecodeError):
         result = {}
-    entry = {"status": status, "seconds": round(time.time() - start, 1), "timeout_s": round(timeout),
-             "result": result}
+    entry = {"status": status, "seconds": round(time.time() - start, 1), "timeout_s": round(timeout), "result": result}
     if status != "ok":
         entry["log_tail"] = tail(log_path, 3000)
     return entry
@@ -183,13 +241,14 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="gpu_check.json")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--scale", choices=["auto", "small", "full"], default="auto",
-                   help="full on a GPU, small (tiny sizes) on CPU")
+    p.add_argument("--scale", choices=["auto", "small", "full"], default="auto", help="full on a GPU, small on CPU")
     p.add_argument("--phases", default=",".join(name for name, *_ in PHASES))
     p.add_argument("--budget-s", type=float, default=None, help="total wall for all phases")
     p.add_argument("--flex-compile", choices=["titan", "plain"], default="titan",
                    help="titan phases: TorchTitan's max-autotune FlexAttention compile, or plain")
     args = p.parse_args()
+    if unknown := set(args.phases.split(",")) - {name for name, *_ in PHASES}:
+        p.error(f"--phases: unknown {', '.join(sorted(unknown))}; choose from {', '.join(n for n, *_ in PHASES)}")
     if args.device == "auto":
         import torch
 
@@ -204,8 +263,7 @@ def main() -> int:
     logdir = os.path.splitext(os.path.abspath(args.out))[0] + "_logs"
     shutil.rmtree(logdir, ignore_errors=True)  # phases read their workers' files from here
     os.makedirs(logdir)
-    budget = args.budget_s or BUDGET_S[args.scale]
-    wanted = args.phases.split(",")
+    budget, wanted = args.budget_s or BUDGET_S[args.scale], args.phases.split(",")
     todo = [(n, t, full if args.scale == "full" else small) for n, t, full, small in PHASES if n in wanted]
     report = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv[1:], "device": args.device,
               "scale": args.scale, "budget_s": budget, "logs": logdir, "phases": {}}
@@ -216,11 +274,9 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1, default=str)
 
-    save()
     print(f"gpu_check: device {args.device}, scale {args.scale}, budget {budget:.0f}s, logs in {logdir}", flush=True)
     for i, (name, target, nominal) in enumerate(todo):
-        left = budget - (time.time() - start) - RESERVE_S * sum(1 for *_, t in todo[i + 1:] if t)
-        timeout = min(nominal, left)
+        timeout = min(nominal, budget - (time.time() - start) - RESERVE_S * sum(1 for *_, t in todo[i + 1:] if t))
         if nominal == 0 or timeout < 15:
             report["phases"][name] = {"status": "skipped", "why": "not at this scale" if nominal == 0 else "budget"}
             print(f"-- {name}: skipped ({report['phases'][name]['why']})", flush=True)

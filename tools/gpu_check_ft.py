@@ -9,12 +9,15 @@ HTTP checkpoint transport (no files). Replicas stop once past `steps` with both 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 
-from gpu_check_common import (Result, append_jsonl, log_to_stdout, quiet_cpu, read_jsonl, say,
-                              spawn, stop, tail, usable_hostname, wait_all)
+from gpu_check import Result, quiet_cpu, say, spawn, tail
 
 CFG = {
     "small": dict(steps=40, kill_at=12, batch=2, seq=64, min_step_s=0.0, timeout_s=200),
@@ -22,78 +25,62 @@ CFG = {
 }
 
 
-def probe_worker(rank: int, store_port: int, timeout_s: float) -> None:
-    import torch
-    from datetime import timedelta
-    from torch.distributed import ReduceOp
-    from torchft.process_group import ProcessGroupNCCL
-
-    torch.cuda.set_device(0)
-    pg = ProcessGroupNCCL(timeout=timedelta(seconds=timeout_s))
-    pg.configure(f"127.0.0.1:{store_port}/probe", "probe", rank, 2)
-    t = torch.ones(4, device="cuda")
-    pg.allreduce([t], ReduceOp.SUM).wait()
-    torch.cuda.synchronize()
-    assert t[0].item() == 2, t
-    os._exit(0)
+def stop(procs) -> None:
+    """SIGKILL the given Popen objects that are still running, and reap them."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
-def nccl_probe(logdir: str, timeout_s: float = 25.0) -> dict:
-    """Can two processes on this one GPU form a TorchFT NCCL group? (NCCL may refuse.)"""
-    from datetime import timedelta
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSON-lines file, but a last line still being written."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n")]
 
-    from torch.distributed import TCPStore
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                     timeout=timedelta(seconds=timeout_s))
-    logs = [os.path.join(logdir, f"ft_nccl_probe{r}.log") for r in (0, 1)]
-    start = time.time()
-    procs = [spawn("gpu_check_ft:probe_worker", dict(rank=r, store_port=store.port,
-                                                     timeout_s=timeout_s - 5), logs[r]) for r in (0, 1)]
-    finished = wait_all(procs, start + timeout_s)
-    stop(procs)
-    ok = finished and all(p.returncode == 0 for p in procs)
-    return {"ok": ok, "seconds": round(time.time() - start, 1),
-            "error": None if ok else ("timed out; " if not finished else "")
-            + " | ".join(tail(log, 1000) for log in logs)}
+def append_jsonl(path: str, row: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(row, default=str) + "\n")
+
+
+def usable_hostname() -> str:
+    """TorchFT advertises socket.gethostname() to peers; use 'localhost' if it does not resolve."""
+    try:
+        socket.getaddrinfo(socket.gethostname(), None)
+    except OSError:
+        socket.gethostname = lambda: "localhost"
+    return socket.gethostname()
+
+
+def log_to_stdout() -> None:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
 def _model(dev):
-    """TorchTitan's debug llama3 (flex on GPU, SDPA on CPU), else a plain torch fallback.
+    """TorchTitan's debug llama3 (FlexAttention on GPU, SDPA on CPU: Flex has no CPU backward).
     Returns (model, vocab, loss_and_backward(tokens, labels, positions), description)."""
     import torch
 
+    import gpu_check_titan as titan
+
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    try:
-        import gpu_check_titan as titan
-
-        titan.apply_compat()
-        attn = "flex" if dev.type == "cuda" else "sdpa"  # FlexAttention has no CPU backward
-        if attn == "flex":
-            titan.plain_flex_compile()
-        torch.manual_seed(0)
-        model, config = titan.build_model("debugmodel", None, attn, dev, dtype)
-        return (model, config.vocab_size,
-                lambda *batch: titan.loss_and_backward(model, attn, *batch),
-                f"torchtitan llama3 debugmodel ({attn}, {dtype})")
-    except Exception as exc:  # noqa: BLE001 - fall back, and say why
-        import traceback
-
-        import torch.nn as nn
-
-        traceback.print_exc()
-        import torch.nn.functional as F
-
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Embedding(2048, 256), nn.Linear(256, 1024), nn.GELU(),
-                              nn.Linear(1024, 256), nn.Linear(256, 2048)).to(dev, dtype)
-
-        def loss_and_backward(tokens, labels, positions):
-            loss = F.cross_entropy(model(tokens).flatten(0, 1).float(), labels.flatten())
-            loss.backward()
-            return loss
-
-        return model, 2048, loss_and_backward, f"fallback torch MLP ({type(exc).__name__}: {exc})"[:300]
+    titan.apply_compat()
+    attn = "flex" if dev.type == "cuda" else "sdpa"
+    if attn == "flex":
+        titan.plain_flex_compile()
+    torch.manual_seed(0)
+    model, config = titan.build_model("debugmodel", None, attn, dev, dtype)
+    return (model, config.vocab_size, lambda *batch: titan.loss_and_backward(model, attn, *batch),
+            f"torchtitan llama3 debugmodel ({attn}, {dtype})")
 
 
 def param_digest(model) -> str:
@@ -154,6 +141,8 @@ def replica(rid: int, inc: int, lighthouse: str, pg_kind: str, device: str, scal
         append_jsonl(events, {"t": time.time(), **row})
 
     cfg, dev = CFG[scale], torch.device(device)
+    if pg_kind == "nccl":
+        torch.cuda.set_device(rid)  # "cuda" tensors below land on this group's own GPU
     emit(event="started")
     model, vocab, loss_and_backward, desc = _model(dev)
     params = list(model.parameters())
@@ -209,15 +198,13 @@ def _start(procs: dict, rid: int, inc: int, common: dict, logdir: str) -> None:
 
 
 def phase(res: Result, device: str, scale: str, logdir: str, timeout_s: float, **_) -> None:
+    import torch
     from torchft.coordination import LighthouseServer
 
     cfg, phase_end = CFG[scale], time.time() + timeout_s - 10  # leave time to report
-    pg_kind = "gloo"
-    if device == "cuda":
-        probe = nccl_probe(logdir)
-        pg_kind = "nccl" if probe["ok"] else "gloo"
-        res.set(nccl_probe=probe)
-        say(f"NCCL between two processes on this GPU: {'ok' if probe['ok'] else 'refused'}, using {pg_kind}")
+    # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"): with one GPU the groups talk gloo.
+    pg_kind = "nccl" if device == "cuda" and torch.cuda.device_count() >= 2 else "gloo"
+    say(f"replica groups on {'their own GPUs' if pg_kind == 'nccl' else device}, talking {pg_kind}")
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=10000,
                                   quorum_tick_ms=100, heartbeat_timeout_ms=1000)
     address = "http://127.0.0.1:" + lighthouse.address().rsplit(":", 1)[1]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import time
 
-from gpu_check_common import Result, error_text, quiet_cpu, say
+from gpu_check import Result, error_text, quiet_cpu, say
 
 # (flavor, layers kept (None = all), attention, batch, seq_len, warm-up steps, timed steps)
 CASES = {

@@ -126,6 +126,27 @@ def test_a_tiny_bench_writes_every_arm_and_ratio(tmp_path):
 
 
 @pytest.mark.chaos
+def test_two_interleaved_rounds_give_each_ratio_its_spread(tmp_path):
+    """`--rounds 2` runs C and E' twice each, interleaved, and reports every ratio as the median of
+    the two rounds' pairs with both values, in bench.json and in the printed table."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "monarch_sky", "bench", "--arms", "C,E_best", "--rounds", "2", "--steps", "40",
+         "--replicas", "2", "--procs", "1", "--every-s", "3", "--kinds", "kill", "--arm-timeout-s", "300",
+         "--out", str(tmp_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=1200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    [bench_dir] = tmp_path.iterdir()
+    bench = json.loads((bench_dir / "bench.json").read_text())
+    assert set(bench["arms"]) == {"C", "E_best"}
+    for key, arm in bench["arms"].items():
+        assert [run["committed_steps"] for run in arm["rounds"]] == [40, 40], (key, arm["rounds"])
+    spread = bench["ratio_spread"]["goodput C/E'"]
+    assert len(spread["rounds"]) == 2 and spread["min"] <= spread["median"] <= spread["max"], spread
+    assert "over 2 rounds" in proc.stdout
+
+
+@pytest.mark.chaos
 def test_a_tiny_diloco_bench_heals_c_and_e_prime_at_their_syncs(tmp_path):
     """C and E' in `ft.mode=diloco` under kills: both reach the target, E' through TorchTitan's
     own DiLoCo loop with a killed group healed from a peer at a sync, and the DiLoCo ratios
