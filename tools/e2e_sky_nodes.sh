@@ -534,6 +534,9 @@ else:  # lost: training ends on the two others
         problems.append(f"replica {lost} is not among the lost replicas: {s['lost_replicas']}")
     if s["outcome"]["status"] != "degraded" or s["outcome"]["exit_code"] != 3:
         problems.append(f"outcome {s['outcome']}, not degraded (exit 3)")
+provider_errors = [f"{e['action']}: {e['error']}" for e in events if e["event"] == "provider_error"]
+if provider_errors:
+    problems.append(f"provider calls failed: {provider_errors}")
 for p in problems:
     print("[e2e-sky-nodes] FAILED:", p)
 failed = first("host_replacement_failed", replica=lost)

@@ -141,7 +141,10 @@ class HostReplacement:
     async def fence(self, host: Host) -> None:
         """A host declared dead may only be cut off (a partition): make sure its processes
         stop where the provider can reach them. Its replacement gets new TorchFT replica ids
-        (each manager adds a fresh uuid), so old processes can never pose as the new group."""
+        (each manager adds a fresh uuid), so old processes can never pose as the new group;
+        a provider that cannot stop hosts (fixed addresses, SkyPilot) skips this, not fails it."""
+        if not self.ctx.provider.can_stop_hosts:
+            return
         await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing lost host {host.name}")
 
 

@@ -56,6 +56,8 @@ class HostProvider(abc.ABC):
     provider keeps its bookkeeping under `self.lock`.
     """
 
+    can_stop_hosts = False  # whether `kill` can take a host down (local ones: yes; bare addresses: no)
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.spares: list[Host] = []  # hosts up and in no group, handed out before new ones

@@ -18,6 +18,8 @@ from monarch_sky.hosts.base import RUN_ID_ENV, Host, HostError, HostProvider, fr
 
 
 class LocalHosts(HostProvider):
+    can_stop_hosts = True
+
     def __init__(
         self,
         run_id: str,

@@ -76,6 +76,16 @@ def test_local_replacement_stops_waiting_at_shutdown(tmp_path):
     assert hosts.procs == {}, "no worker may be started once the run is shutting down"
 
 
+def test_only_a_provider_that_can_stop_hosts_is_asked_to_fence_one(tmp_path):
+    """The controller fences a lost host only where `can_stop_hosts` says `kill` works;
+    a fixed-address provider would fail every fence (and log a provider error per loss)."""
+    fixed = AddressListHosts(["127.0.0.1:1"], controller_ip="127.0.0.1")
+    assert not fixed.can_stop_hosts
+    with pytest.raises(HostError, match="cannot kill"):
+        fixed.kill(Host("node-1", "127.0.0.1", 1))
+    assert LocalHosts("unit", log_dir=str(tmp_path), provision_delay_s=0).can_stop_hosts
+
+
 def test_address_list_hands_each_spare_to_one_of_two_groups_lost_at_once():
     workers = [listening_socket() for _ in range(4)]
     hosts = AddressListHosts([f"127.0.0.1:{w.getsockname()[1]}" for w in workers], controller_ip="127.0.0.1", wait_s=3)
