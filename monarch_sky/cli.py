@@ -63,6 +63,11 @@ def main(argv: list[str] | None = None) -> int:
 
         workers = [w for w in args.workers.split(",") if w.strip()]
         return doctor_mod.run(workers, args.lighthouse, args.expect_gpus, args.wait)
+    if args.command == "standby":
+        from monarch_sky import standby
+
+        doors = [d for d in args.watch.split(",") if d.strip()]
+        return standby.watch_and_take_over(doors, args.local_worker, args.after_s, args.train, args.mark)
     if args.command == "worker":
         from monarch_sky.hosts import worker as worker_mod
 
@@ -91,6 +96,15 @@ def _parser(command: str | None) -> Parser:
     worker.add_argument(
         "--until-shutdown", action="store_true", help="exit when a controller shuts this host down"
     )
+
+    standby = sub.add_parser("standby", help="on another node: take the run over when its controller's node is lost "
+                             "(sky/bootstrap.sh runs it)")
+    standby.add_argument("--watch", required=True, help="comma-separated IP:PORT of the controller doors to watch "
+                         "(hosts.controller_port on the nodes before this one)")
+    standby.add_argument("--local-worker", required=True, help="this node's worker, IP:PORT: when it ends, the run did")
+    standby.add_argument("--after-s", type=float, default=10.0, help="seconds of silence at every door before taking over")
+    standby.add_argument("--mark", default=None, help="a file to create on taking over (the bootstrap reads it)")
+    standby.add_argument("train", nargs=argparse.REMAINDER, help="the train command to run on taking over: train KEY=VALUE ...")
 
     doctor = sub.add_parser("doctor", help="check this node (platform, GPUs, RCCL, RDMA) and reach the others")
     doctor.add_argument("--workers", default="", help="comma-separated IP:PORT of every node's worker")
@@ -256,6 +270,21 @@ def _train(args) -> int:
     job = _load(args)
     if job is None:
         return EXIT_CONFIG
-    from monarch_sky.run import run_job
+    from monarch_sky import standby
+    from monarch_sky.run import new_run_id, run_job
 
-    return run_job(job)
+    cfg = job.config
+    if cfg.hosts.controller_port and not standby.is_controller_child():
+        try:
+            standby.open_door(cfg.hosts.controller_ip or "127.0.0.1", cfg.hosts.controller_port)
+        except OSError as e:
+            print(f"monarch-sky: hosts.controller_port={cfg.hosts.controller_port}: cannot listen ({e.strerror}): "
+                  "another controller runs on this node, or pick a free port", file=sys.stderr)
+            return EXIT_CONFIG
+    if cfg.controller.standby and not standby.is_controller_child():
+        argv = ["train", *(["--config", args.config] if args.config else []),
+                *(["--log-level", args.log_level] if args.log_level else []),
+                *(o for o in args.overrides if not o.startswith("run_id="))]
+        return standby.stand_by(argv, cfg.run_id or new_run_id(cfg.recipe), cfg.run_id is None, cfg.controller.max_restarts)
+    standby.die_with_standby()
+    return run_job(job, new_run=standby.is_new_run())

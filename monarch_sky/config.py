@@ -73,6 +73,7 @@ class HostSettings:
     provider: str = "local"  # local | addresses | skypilot (see monarch_sky/hosts/choice.py)
     addresses: list[str] = field(default_factory=list)  # addresses: worker IP:PORT per host
     controller_ip: Optional[str] = None  # addresses: the IP the hosts reach the controller on
+    controller_port: int = 0  # a port on controller_ip that answers while the controller lives (other nodes' standbys watch it); 0: none
     recipe_yaml: Optional[str] = None  # skypilot: the recipe replacements are launched from
     cluster_prefix: Optional[str] = None  # skypilot: replacement cluster names (default from run id)
     sky_cli: str = "sky"  # skypilot: the SkyPilot command to run
@@ -104,6 +105,20 @@ class CheckpointSettings:
 
 
 @dataclass
+class ControllerSettings:
+    standby: bool = True  # `train` stands by: a lost controller is started again under the run id (monarch_sky/standby.py)
+    max_restarts: int = 3  # controllers started again after a loss, per `train`
+
+
+@dataclass
+class SnapshotSettings:
+    """Each rank's committed state kept in its node's memory, so the run outlives its processes
+    (see monarch_sky/common/node_memory.py)."""
+
+    every_steps: int = 10  # committed steps between snapshots (DiLoCo: rounded up to a sync); 0: none
+
+
+@dataclass
 class WandbSettings:
     mode: str = "auto"  # auto: online if wandb finds your key (WANDB_API_KEY, `wandb login`); online, offline, disabled
     project: str = "monarch-sky"  # W&B project
@@ -128,6 +143,8 @@ class JobConfig:
     hosts: HostSettings = field(default_factory=HostSettings)
     chaos: ChaosSettings = field(default_factory=ChaosSettings)
     checkpoint: CheckpointSettings = field(default_factory=CheckpointSettings)
+    snapshot: SnapshotSettings = field(default_factory=SnapshotSettings)
+    controller: ControllerSettings = field(default_factory=ControllerSettings)
     wandb: WandbSettings = field(default_factory=WandbSettings)
 
 

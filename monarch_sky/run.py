@@ -18,10 +18,11 @@ from monarch_sky.control.checkpoint_resume import (
 )
 from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
 from monarch_sky.control.controller import Controller
+from monarch_sky.control.memory_restore import Superseded
 from monarch_sky.hosts.base import CONTROLLER_ENV, RUN_ID_ENV, HostProvider
 from monarch_sky.hosts.choice import make_provider
 from monarch_sky.hosts.local import reap_run
-from monarch_sky.record.outcome import failed, stopped
+from monarch_sky.record.outcome import EXIT_SUPERSEDED, failed, stopped
 from monarch_sky.record.progress import STORY, Display, group_shape
 from monarch_sky.record.tracking import RunFinished, RunRecord, Tracker, previous_attempt
 
@@ -66,11 +67,17 @@ def new_run_id(recipe: str) -> str:
     return f"{recipe}-{datetime.now():%Y%m%d-%H%M%S}-{os.urandom(2).hex()}"
 
 
-def run_job(job: Job, provider: HostProvider | None = None) -> int:
-    """Run a validated job to completion; returns the process exit code."""
+def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = False) -> int:
+    """Run a validated job to completion; returns the process exit code. `new_run`: its run id
+    is new (made up by a standby), so no host holds any of it."""
     os.environ.setdefault("RUST_LOG", "warn")
     _log_to_console()
     cfg = job.config
+    refused = insecure_heal(cfg)
+    if refused:
+        print(f"monarch-sky: config error: {refused}", file=sys.stderr)
+        return EXIT_CONFIG
+    given_id = cfg.run_id is not None and not new_run  # an existing run's, maybe: its hosts' node memory is asked
     run_id = cfg.run_id or new_run_id(cfg.recipe)
     cfg.run_id = run_id
     try:
@@ -104,9 +111,14 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         hosts_log = record.path / "hosts"
         hosts_log.mkdir(exist_ok=True)
         provider = make_provider(cfg.hosts, run_id, str(hosts_log))
-    controller = Controller(job, provider, record, tracker, display, previous_controller=previous, resume=resume)
+    controller = Controller(job, provider, record, tracker, display, previous_controller=previous, resume=resume,
+                            survey_memory=given_id)
+    summary = None
     try:
         summary = asyncio.run(run_until_stopped(controller))
+    except Superseded as e:  # the run's summary, W&B run and hosts are the newer controller's now
+        record.event("superseded", reason=str(e))
+        display.line(f"monarch-sky: {e}; this controller stopped driving run {run_id} (exit {EXIT_SUPERSEDED})")
     except (Stopped, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         name = signal.Signals(signum).name
@@ -122,6 +134,8 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
     finally:
         reap_run(run_id, EVERYTHING)
     try:
+        if summary is None:
+            return EXIT_SUPERSEDED
         record.write_summary(summary)
         try:
             tracker.finish(summary, _render_report(record.path))
@@ -135,6 +149,21 @@ def run_job(job: Job, provider: HostProvider | None = None) -> int:
         STORY.removeHandler(log_file)
         log_file.close()
     return summary["outcome"]["exit_code"]
+
+
+def insecure_heal(cfg) -> str | None:
+    """Why this run may not heal over TorchFT's HTTP transport, or None (it says so instead)."""
+    if cfg.ft.heal_transport != "http":
+        return None
+    from monarch_sky.hosts import tls
+
+    if tls.scheme() == "tls":
+        return ("ft.heal_transport=http: TorchFT's HTTP transport makes a rejoiner unpickle (torch.load, "
+                "weights_only=False) whatever answers at its peer's address, unauthenticated, and this run has "
+                "TLS: use tcp or rdma (authenticated both ways), or run without TLS")
+    log.warning("ft.heal_transport=http: a rejoiner unpickles whatever answers at its peer's address, "
+                "unauthenticated (docs/security.md); tcp and rdma are authenticated both ways")
+    return None
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

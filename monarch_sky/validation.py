@@ -66,6 +66,9 @@ AT_LEAST_ZERO = (
     "chaos.during_recovery",
     "checkpoint.every_min",
     "checkpoint.keep",
+    "snapshot.every_steps",
+    "controller.max_restarts",
+    "hosts.controller_port",
 )
 BOUNDS = (
     (AT_LEAST_ONE, ">= 1", lambda v: v >= 1),
@@ -201,9 +204,10 @@ def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
             f"faults: host faults can only be injected with hosts.provider=local, not {config.hosts.provider}"
         )
     killing = [str(f) for f in faults if f.kind == CONTROLLER]
-    if killing and config.checkpoint.every_min <= 0:
-        raise ConfigError(f"faults: {killing[0]} kills the controller, and without checkpoints its restart would "
-                          "train from step 0; set checkpoint.every_min (e.g. 0.5) or drop the fault")
+    if killing and config.checkpoint.every_min <= 0 and config.snapshot.every_steps <= 0:
+        raise ConfigError(f"faults: {killing[0]} kills the controller, and with neither node memory snapshots nor "
+                          "checkpoints its restart would train from step 0; set snapshot.every_steps (e.g. 10) "
+                          "or checkpoint.every_min, or drop the fault")
     chaos = config.chaos
     stepped = {f.replica for f in faults if not f.during}  # replicas a step fault makes fail
     for fault in faults:

@@ -5,7 +5,10 @@
 #   cluster (default)  `sky launch recipes/llama.yaml`: every node checks itself
 #                      (`monarch-sky doctor`) and starts one Monarch worker loop per replica
 #                      group it hosts; node rank 0 also runs the controller (which starts the
-#                      TorchFT lighthouse) against every node's workers.
+#                      TorchFT lighthouse) against every node's workers. Every other node runs a
+#                      standby (`monarch-sky standby`) that watches the controller doors
+#                      (CONTROLLER_PORT) of the nodes before it and, when none has answered for
+#                      TAKEOVER_AFTER_S (10), takes the run over from node memory (docs/cloud.md).
 #   worker             workers only: a replica-group task of a job group (recipes/llama-group.yaml),
 #                      reachable as <WORKER_TASK>-0.<job group>, or a replacement cluster the
 #                      controller launched (HOST_REPLACEMENT=skypilot), reachable by its IP.
@@ -23,15 +26,18 @@
 #        replaced without spending `max_restarts_on_errors`. Nothing else exits 75.
 #   N    a worker here died on its own: its exit status (137: SIGKILL, e.g. the OOM killer;
 #        a worker's own 75 becomes 1, since 75 is this script's verdict on the host)
-#   1-4  on node rank 0 and in the controller role: `monarch-sky train`'s code (its workers'
-#        deaths are already in that verdict); anywhere: 1 when this script stops itself (bad
-#        settings, a controller already running on the node, a worker that never listened)
+#   1-5  on node rank 0 and in the controller role: `monarch-sky train`'s code (its workers'
+#        deaths are already in that verdict; 5: another node's controller took the run over);
+#        on a node whose standby took the run over, the same code of its controller; anywhere:
+#        1 when this script stops itself (bad settings, a controller already running on the
+#        node, a worker that never listened)
 #
 # Reads SKYPILOT_NODE_RANK, SKYPILOT_NODE_IPS, SKYPILOT_NUM_NODES, SKYPILOT_NUM_GPUS_PER_NODE
 # (and SKYPILOT_JOBGROUP_NAME in job groups) and the task envs: RECIPE, REPLICAS_PER_NODE,
 # HOSTS_PER_REPLICA (nodes one replica group spans; consecutive node ranks form a group),
 # SPARE_NODES (cluster role: the last nodes are hot spares, `hosts.spares`),
-# PROCS_PER_REPLICA (CPU nodes), WORKER_PORT, RUN_DIR (where the run record goes), MONARCH_SKY_ARGS
+# PROCS_PER_REPLICA (CPU nodes), WORKER_PORT, CONTROLLER_PORT (default WORKER_PORT - 1),
+# TAKEOVER_AFTER_S, RUN_DIR (where the run record goes), MONARCH_SKY_ARGS
 # (extra `monarch-sky train` overrides), MONARCH_SKY_PY (the python with monarch_sky installed); for tests,
 # MONARCH_SKY_STATE (pid, rc and lock files), MONARCH_SKY_SYSFS and MONARCH_SKY_DEV (roots
 # the RDMA probe reads instead of /sys and /dev).
@@ -53,6 +59,7 @@ GPUS=${SKYPILOT_NUM_GPUS_PER_NODE:-0}
 PER_NODE=${REPLICAS_PER_NODE:-1}
 PER_GROUP=${HOSTS_PER_REPLICA:-1}
 PORT=${WORKER_PORT:-26600}
+DOOR=${CONTROLLER_PORT:-$((PORT - 1))}  # answers while this node's controller lives; the other nodes' standbys watch it
 RECIPE=${RECIPE:-llama3_8b}
 if [ -z "${MONARCH_SKY_PY:-}" ] && [ -x "$HOME/monarch-sky-venv/bin/python" ]; then
   MONARCH_SKY_PY=$HOME/monarch-sky-venv/bin/python
@@ -254,11 +261,9 @@ wait_workers() {  # wait for every worker here; 0 only if each ended by the cont
   return "$worst"
 }
 
-train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...
+train_args() {  # train_args ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...: the `monarch-sky train` words, in TRAIN
   local all=$1 replicas=$2
   shift 2
-  doctor "controller" --workers "$all" --wait "${WORKER_WAIT_S:-600}" \
-    || die "not every worker answers (see the FAIL lines above)"
   # SKYPILOT_TASK_ID survives managed-job recoveries: a new controller of the same run
   # reaps what the old one left and reports the steps that were lost.
   local run_id
@@ -270,9 +275,41 @@ train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...
     || die "MONARCH_SKY_ARGS='${MONARCH_SKY_ARGS:-}' does not split into words (an unclosed quote?)"
   local -a extra
   eval "extra=($quoted)"  # every word shlex-quoted above
-  "$PY" -m monarch_sky train recipe="$RECIPE" replicas="$replicas" procs_per_replica="$PROCS" hosts_per_replica="$PER_GROUP" \
-    hosts.provider=addresses "hosts.addresses=[$all]" hosts.controller_ip="$MY_IP" \
-    ${run_id:+run_id=$run_id} ${RUN_DIR:+run_dir=$RUN_DIR} "$@" "${extra[@]}"  # later overrides win
+  TRAIN=(train recipe="$RECIPE" replicas="$replicas" procs_per_replica="$PROCS" hosts_per_replica="$PER_GROUP"
+    hosts.provider=addresses "hosts.addresses=[$all]" hosts.controller_ip="$MY_IP" hosts.controller_port="$DOOR"
+    ${run_id:+run_id=$run_id} ${RUN_DIR:+run_dir=$RUN_DIR} "$@" "${extra[@]}")  # later overrides win
+}
+
+train() {  # train ADDRESSES(comma-separated) REPLICAS EXTRA_OVERRIDES...: once every worker answers, the controller here
+  doctor "controller" --workers "$1" --wait "${WORKER_WAIT_S:-600}" \
+    || die "not every worker answers (see the FAIL lines above)"
+  train_args "$@"
+  "$PY" -m monarch_sky "${TRAIN[@]}"
+}
+
+cluster_train_args() {  # the cluster role's `monarch-sky train` words, in TRAIN: every node's the same but its own IP
+  local addrs=() replace=() ip g
+  for ip in "${IPS[@]}"; do
+    for ((g = 0; g < PER_NODE; g++)); do addrs+=("$ip:$((PORT + g))"); done
+  done
+  if [ "${HOST_REPLACEMENT:-none}" = "skypilot" ]; then  # needs `sky` and credentials here
+    need RECIPE_YAML
+    replace=(hosts.provider=skypilot hosts.recipe_yaml="$RECIPE_YAML")
+  fi
+  CLUSTER_ADDRS=$(IFS=,; echo "${addrs[*]}")
+  # the spare nodes' workers are the last addresses: the provider keeps those beyond the groups'
+  train_args "$CLUSTER_ADDRS" $(((NODES - SPARES) * PER_NODE / PER_GROUP)) hosts.spares=$((SPARES * PER_NODE)) \
+    ${replace[@]+"${replace[@]}"}
+}
+
+stand_by() {  # node RANK > 0: take the run over if every node before this one loses its controller
+  local doors=() r
+  for ((r = 0; r < RANK; r++)); do doors+=("${IPS[$r]}:$DOOR"); done
+  cluster_train_args
+  rm -f "$STATE/took-over"
+  "$PY" -m monarch_sky standby --watch "$(IFS=,; echo "${doors[*]}")" --local-worker "$MY_IP:$PORT" \
+    --after-s "${TAKEOVER_AFTER_S:-10}" --mark "$STATE/took-over" "${TRAIN[@]}" &
+  STANDBY=$!
 }
 
 case "$ROLE" in
@@ -302,23 +339,20 @@ case "$ROLE" in
     doctor "node $RANK" ${EXPECT[@]+"${EXPECT[@]}"} || preflight_failed "node $RANK"
     start_workers "$MY_IP"
     if [ "$RANK" -ne 0 ]; then
-      say "node $RANK serving until the controller on ${IPS[0]} finishes"
+      stand_by
+      say "node $RANK serving until the controller on ${IPS[0]} finishes; standing by to take the run over if that node is lost"
       RC=0
       wait_workers || RC=$?
+      SRC=0
+      wait "$STANDBY" || SRC=$?
+      [ ! -f "$STATE/took-over" ] || RC=$SRC  # this node's controller drove the run to its end: its verdict
       exit "$RC"
     fi
-    ADDRS=()
-    for ip in "${IPS[@]}"; do
-      for ((g = 0; g < PER_NODE; g++)); do ADDRS+=("$ip:$((PORT + g))"); done
-    done
-    REPLACE=()
-    if [ "${HOST_REPLACEMENT:-none}" = "skypilot" ]; then  # needs `sky` and credentials here
-      need RECIPE_YAML
-      REPLACE=(hosts.provider=skypilot hosts.recipe_yaml="$RECIPE_YAML")
-    fi
-    RC=0  # the spare nodes' workers are the last addresses: the provider keeps those beyond the groups'
-    train "$(IFS=,; echo "${ADDRS[*]}")" $(((NODES - SPARES) * PER_NODE / PER_GROUP)) hosts.spares=$((SPARES * PER_NODE)) \
-      ${REPLACE[@]+"${REPLACE[@]}"} || RC=$?
+    cluster_train_args
+    doctor "controller" --workers "$CLUSTER_ADDRS" --wait "${WORKER_WAIT_S:-600}" \
+      || die "not every worker answers (see the FAIL lines above)"
+    RC=0
+    "$PY" -m monarch_sky "${TRAIN[@]}" || RC=$?
     wait_workers || true  # the controller's status is this node's: it has judged every worker
     exit "$RC"
     ;;

@@ -16,6 +16,20 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
+# Every run the tests start keeps its node memory (monarch_sky/common/node_memory.py) under one
+# folder of this session, given back at its end: a test that kills a controller and never
+# starts it again would otherwise leave its snapshots in /dev/shm.
+NODE_MEMORY = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else "/tmp") / f"monarch-sky-tests-{os.getpid()}"
+os.environ["MONARCH_SKY_NODE_MEMORY"] = str(NODE_MEMORY)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _give_node_memory_back():
+    yield
+    import shutil
+
+    shutil.rmtree(NODE_MEMORY, ignore_errors=True)
+
 
 @dataclass
 class Run:

@@ -20,6 +20,7 @@ from conftest import train
 RUNS = int(os.environ.get("CHAOS_RUNS", "6"))
 HOST_RUNS = int(os.environ.get("CHAOS_HOST_RUNS", "3"))
 KINDS = ("kill", "segfault")
+SNAPSHOT_EVERY = 10  # snapshot.every_steps, the default
 
 
 def fault_plan(seed: int, replicas: int = 3, steps: int = 60) -> str:
@@ -93,22 +94,50 @@ def test_two_host_losses_in_a_row_with_one_spare_lose_nothing(tmp_path):
 
 
 @pytest.mark.chaos
+def test_repeated_controller_losses_lose_no_more_than_a_snapshot_interval(tmp_path):
+    # A kill into a group, then the controller itself, at random steps: its standby starts
+    # another, which goes on from the newest state the hosts hold in node memory.
+    timings = []
+    for seed in range(max(1, RUNS // 2)):
+        rng = random.Random(seed)
+        kill, lose = rng.randrange(8, 25), rng.randrange(30, 45)
+        faults = f"kill@{kill}:{rng.randrange(3)},controller@{lose}"
+        run = train(tmp_path / f"run{seed}", "replicas=3", "steps=60", f"faults={faults}", f"seed={seed}")
+        assert run.returncode == 0, f"{faults}: {run.output[-3000:]}"
+        s = run.summary
+        lost = s["controller_lost"]
+        assert lost["restored_from"] == "memory" and lost["steps_lost"] <= SNAPSHOT_EVERY, f"{faults}: {lost}"
+        assert s["unplanned_failures"] == [] and s["lost_replicas"] == [] and s["progress_lost"] == [], s
+        assert s["checkpoints_written"] == 0 and len(set(s["final_param_digest"].values())) == 1
+        assert run.leftovers == [], run.leftovers
+        timings.append(lost)
+    (tmp_path / "controller-timings.json").write_text(json.dumps(timings, indent=2))
+    print(f"\ncontroller lost ({len(timings)} runs): training again after "
+          f"{statistics.median(t['training_again_s'] for t in timings):.1f} s (median), "
+          f"steps lost {[t['steps_lost'] for t in timings]}")
+
+
+@pytest.mark.chaos
 def test_a_chaos_schedule_of_every_kind_loses_nothing(tmp_path):
-    # About 10 faults of mixed kinds at random times into random groups (chaos.every_s).
+    # About 10 faults of mixed kinds at random times into random groups (chaos.every_s), and
+    # the controller lost midway: nothing beyond a snapshot interval is trained again.
     run = train(
-        tmp_path, "replicas=3", "steps=300", "faults=none",
+        tmp_path, "replicas=3", "steps=300", "faults=controller@150",
         "chaos.every_s=10", "chaos.seed=1", "hosts.max_replacements=10", "ft.max_restarts=20", timeout_s=1500,
     )
     assert run.returncode == 0, run.output[-4000:]
     s = run.summary
-    kinds = {f["kind"] for f in s["faults"]}
-    assert len(s["faults"]) >= 6 and len(kinds) >= 4, f"too little chaos to show anything: {s['faults']}"
+    lost = s["controller_lost"]
+    assert lost["restored_from"] == "memory" and lost["steps_lost"] <= SNAPSHOT_EVERY, lost
+    fired = [e for e in run.events if e["event"] == "fault_injected"]  # both controllers' (the summary: the last's)
+    kinds = {e["kind"] for e in fired} - {"controller"}
+    assert len(fired) >= 6 and len(kinds) >= 4, f"too little chaos to show anything: {fired}"
     assert s["unplanned_failures"] == [] and s["lost_replicas"] == [] and s["progress_lost"] == [], s
     assert all(f["recovered_from"] in ("peer", "in place") for f in s["faults"]), s["faults"]
     assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 3
     assert run.leftovers == [], run.leftovers
     (tmp_path / "chaos-schedule-timings.json").write_text(json.dumps(s["faults"], indent=2))
-    for kind in sorted(kinds):
+    for kind in sorted({f["kind"] for f in s["faults"]}):
         print_medians(kind, [f for f in s["faults"] if f["kind"] == kind])
 
 

@@ -159,3 +159,12 @@ def test_eta_is_unknown_until_steps_are_made():
     rate = progress.StepRate()
     assert rate.add(5, 100.0) == 0.0 and progress.eta_s(5, 10, 0.0) is None
     assert rate.add(15, 105.0) == 2.0 and progress.eta_s(15, 25, 2.0) == 5.0
+
+
+def test_a_tls_run_refuses_torchfts_unauthenticated_http_heal(tmp_path):
+    # TorchFT's HTTP transport unpickles (weights_only=False) what answers at a peer's address.
+    certs = {var: str(tmp_path / what) for what, var in tls.HYPERACTOR_ENV.items()}
+    out = cli("train", f"run_dir={tmp_path}", "ft.heal_transport=http", env=certs)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "ft.heal_transport=http" in out.stderr and "use tcp or rdma" in out.stderr
+    assert not list(tmp_path.glob("*/events.jsonl")), "nothing may start"

@@ -25,7 +25,7 @@ BAD = [
     (["steps=30", "faults=kill@40:1"], ["faults", "step 40", "steps=30"]),
     (["replicas=2", "faults=kill@rejoin:1"], ["faults", "kill@rejoin:1", "nothing makes it fail", "chaos.every_s"]),
     (["faults=controller@20:1"], ["faults", "controller@STEP", "no replica"]),
-    (["replicas=2", "faults=controller@20"], ["faults", "controller@20", "checkpoint.every_min"]),
+    (["replicas=2", "faults=controller@20", "snapshot.every_steps=0"], ["faults", "controller@20", "snapshot.every_steps", "checkpoint.every_min"]),
     (["chaos.every_s=5", "chaos.kinds=[kill,controller]"], ["chaos.kinds", "controller", "kill"]),
     (["ft.mode=async"], ["ft.mode", "step", "diloco"]),
     (["ft.mode=diloco", "steps=25", "ft.sync_steps=10"], ["ft.sync_steps", "multiple"]),

@@ -8,6 +8,7 @@ loss went down, and nothing was left running.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -110,6 +111,24 @@ def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(r
     # rejoiner stood by while the survivor trained on towards the sync, instead of asking
     # for a quorum the survivor would only answer at that sync.
     assert waited["waited_steps"] >= 10, f"test premise: the rejoiner must wait out survivor steps: {waited}"
+
+
+@pytest.mark.e2e
+def test_a_diloco_group_that_misses_a_sync_without_a_restart_heals_to_the_same_weights(run_dir):
+    # Replica 1's sync at step 15 fails (an error inside the group) while replica 0 commits it:
+    # replica 1 falls behind without a restart and heals at the sync at step 20 from replica 0,
+    # whose state holds inner-trained weights. Unless the healed group goes back to the healed
+    # originals, TorchFT's outer step lands on inner-trained weights and the groups diverge.
+    from monarch_sky.common.test_hooks import REFUSE_COMMIT_ENV
+
+    run = train(run_dir, "replicas=2", "procs_per_replica=1", "steps=40", "ft.mode=diloco", "ft.sync_steps=5",
+                "faults=none", env={REFUSE_COMMIT_ENV: "1:15"})
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert s["uncommitted_steps"]["1"] > 0 and s["restarts"] == {"0": 0, "1": 0}, "test premise: a sync missed in place"
+    healed = [json.loads(line) for line in (run.path / "steps.jsonl").read_text().splitlines()]
+    assert any(x["replica"] == 1 and x["committed"] and x["loss"] is None for x in healed), "it healed in place"
+    assert len(set(s["final_param_digest"].values())) == 1, s["final_param_digest"]
 
 
 @pytest.mark.e2e  # the non-default transport; the fast suite heals over tcp

@@ -18,22 +18,28 @@ import psutil
 from conftest import TAG_ENV, new_tag, start, wait_for_event
 
 TRAINER = "monarch._src.actor.bootstrap_main"  # a process a worker spawned: a group's trainer rank
+UPSTREAM_PER_RANK = 2  # torchft 0.2.0's ManagerServer on [::] and the group's TCPStore
 
 
-def listeners(tag: str, controller_pid: int) -> dict[str, list[str]]:
-    """`controller`, `worker` or `trainer` -> the addresses its processes listen on."""
+def listeners(tag: str, controller_pid: int) -> tuple[dict[str, list[str]], list[list[str]]]:
+    """`controller`, `worker` or `trainer` -> the addresses its processes listen on; and each
+    trainer process's own list."""
     found: dict[str, list[str]] = {"controller": [], "worker": [], "trainer": []}
+    per_trainer = []
     for p in psutil.process_iter(["pid", "cmdline"]):
         try:
             if p.pid != controller_pid and p.environ().get(TAG_ENV) != tag:
                 continue
-            cmdline = " ".join(p.info["cmdline"] or [])
+            cmdline, env = " ".join(p.info["cmdline"] or []), p.environ()
             role = "controller" if p.pid == controller_pid else "trainer" if TRAINER in cmdline else "worker"
-            found[role] += [f"{c.laddr.ip}:{c.laddr.port}" for c in p.net_connections(kind="inet")
-                            if c.status == psutil.CONN_LISTEN]
+            trains = "TORCHFT_LIGHTHOUSE" in env  # a group's rank (not a host agent: no lighthouse)
+            mine = [f"{c.laddr.ip}:{c.laddr.port}" for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN]
         except (psutil.Error, OSError):
             continue
-    return found
+        found[role] += mine
+        if role == "trainer" and trains and mine:
+            per_trainer.append(mine)
+    return found, per_trainer
 
 
 def loopback(address: str) -> bool:
@@ -43,11 +49,11 @@ def loopback(address: str) -> bool:
 def test_a_local_run_listens_on_loopback_but_for_upstreams_trainer_ports(tmp_path):
     tag = new_tag()
     proc = start(tmp_path, tag, "replicas=2", "procs_per_replica=1", "steps=10000", "faults=none",
-                 "ft.standby=false")
+                 "ft.standby=false", "controller.standby=false")  # the controller is the process started
     try:
         wait_for_event(tmp_path / tag / "events.jsonl", "training_started", timeout_s=300)
         time.sleep(2)  # a few steps: every group's TorchFT manager and heal server are up
-        found = listeners(tag, proc.pid)
+        found, per_trainer = listeners(tag, proc.pid)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=90)
@@ -55,9 +61,11 @@ def test_a_local_run_listens_on_loopback_but_for_upstreams_trainer_ports(tmp_pat
     assert lighthouse.rsplit(":", 1)[1] in {a.rsplit(":", 1)[1] for a in found["controller"]}, (lighthouse, found)
     assert found["controller"] and found["worker"] and found["trainer"], found
     assert all(map(loopback, found["controller"] + found["worker"])), found
-    everywhere = [a for a in found["trainer"] if not loopback(a)]
-    # Two per rank in torchft 0.2.0: the ManagerServer and the manager's TCPStore.
-    assert everywhere, "upstream bound everything to loopback: update docs/security.md"
+    everywhere = [[a for a in mine if not loopback(a)] for mine in per_trainer]
+    # Upstream's, per rank in torchft 0.2.0: the ManagerServer and the group's TCPStore. One more
+    # is a listener of ours (a heal server, a door) bound to every interface.
+    assert all(1 <= len(a) <= UPSTREAM_PER_RANK for a in everywhere), (everywhere, per_trainer)
+    assert any(len(mine) > len(a) for mine, a in zip(per_trainer, everywhere)), "our own trainer listeners are on loopback"
 
 
 def read_events(path):

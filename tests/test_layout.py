@@ -22,7 +22,7 @@ FLOORS = [
     ["record"],  # display, run record, outcome
     ["control"],  # the controller
     ["bench"],  # benchmarks, which run the product and its peers
-    ["run", "cli", "__main__"],  # entry points
+    ["standby", "run", "cli", "__main__"],  # entry points
 ]
 FLOOR_OF = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 MAX_LINES = 300

@@ -45,6 +45,13 @@
 #           real reboot (Slurm 22.05 records the new BootTime and otherwise acts as for `node`).
 #   worker  only the Monarch worker's process tree on the node is killed (a crash, the OOM
 #           killer); Slurm and sky/bootstrap.sh stay. Nothing is restarted by this script.
+# E2E_LOST=1 loses node 0 instead (e2e-n1: the controller and group 0), with E2E_SPARES=1 (the
+# recipes' shape): every node keeps its trainers' state in its own /dev/shm (a directory bound
+# over it, emptied when the node is lost), node 1's standby stops hearing node 0's controller
+# door and takes the run over, node 0 comes back with slurmd only (its bootstrap is not run
+# again: a second rank-0 controller would take the run back). Passes (E2E_EXPECT=takeover, the
+# default then) when the run ends with every step from node memory, no checkpoint and no bucket:
+# its three groups on e2e-n2..4, equal digests.
 # E2E_EXPECT says what passes: heal (default, the recipe's promise): group 2 rejoins at
 # 10.77.0.3 and heals from a peer, 3 equal digests, exit 0; lost: group 2 is declared lost
 # and training ends on the other two (equal digests), degraded (exit 3). E2E_BACK_PORT: the port
@@ -73,11 +80,13 @@ WORKER_PORT=26600
 STEPS=${E2E_STEPS:-600}
 LOSE_AT=${E2E_LOSE_AT:-40}
 LOSS=${E2E_LOSS:-node}           # node | reboot | worker (see the header)
-EXPECT=${E2E_EXPECT:-heal}       # heal | lost (see the header)
+LOST=${E2E_LOST:-3}              # the node taken away (default e2e-n3, node rank 2, replica group 2)
+[[ "$LOST" =~ ^[13]$ ]] || { echo "[e2e-sky-nodes] E2E_LOST=$LOST: 1 (the controller's node) or 3" >&2; exit 2; }
+[ "$LOST" != 1 ] || [ "$SPARES" = 1 ] || { echo "[e2e-sky-nodes] E2E_LOST=1 needs E2E_SPARES=1 (the recipes' spare takes node 0's place)" >&2; exit 2; }
+EXPECT=${E2E_EXPECT:-$([ "$LOST" = 1 ] && echo takeover || echo heal)}  # heal | lost | takeover (see the header)
 BACK_PORT=${E2E_BACK_PORT:-$WORKER_PORT}  # the port the lost node's worker comes back on
 DOWN_S=${E2E_DOWN_S:-20}
 PROVISION_TIMEOUT_S=${E2E_PROVISION_TIMEOUT_S:-300}
-LOST=3                          # the node taken away: e2e-n3, node rank 2, replica group 2
 WORK=/var/tmp/e2e-sky-nodes     # node disks (bound over each node's /tmp), logs, generated files
 LOG=$WORK/launch.log            # `sky launch` output
 TSLOG=$WORK/launch.ts.log       # the same, each line prefixed with its arrival time
@@ -217,7 +226,10 @@ say "munge and a $NODES-node Slurm cluster, gpu:mi300x:8 per node"
 munge_up
 CREATED_MUNGE=$MUNGE_STARTED
 mkdir -p /etc/slurm /var/lib/slurm/$MARK/ctld /var/log/slurm
-for ((i = 1; i <= NODES; i++)); do mkdir -p "/var/lib/slurm/$MARK/$(ns "$i")" "$WORK/n$i/tmp"; chmod 1777 "$WORK/n$i/tmp"; done
+for ((i = 1; i <= NODES; i++)); do
+  mkdir -p "/var/lib/slurm/$MARK/$(ns "$i")" "$WORK/n$i/tmp" "$WORK/n$i/shm"
+  chmod 1777 "$WORK/n$i/tmp" "$WORK/n$i/shm"
+done
 chown -R slurm:slurm /var/lib/slurm/$MARK /var/log/slurm 2> /dev/null || true
 fake_gpus
 MEM=$((($(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 2048) / NODES))
@@ -241,14 +253,15 @@ echo "NodeName=e2e-n[1-$NODES] Name=gpu Type=mi300x File=/dev/fakegpu[0-7]" > /e
 slurmctld
 
 start_node() {  # start_node I [reboot]: node I boots: its slurmd in fresh UTS and mount namespaces,
-  # its /tmp its own; `reboot`: in a time namespace whose boot time is now, as after a real reboot
+  # its /tmp and /dev/shm (node memory) its own; `reboot`: in a time namespace whose boot time is
+  # now, as after a real reboot
   local i=$1 name boot=()
   name=$(ns "$i")
   rm -f "/run/slurmd-$name.pid"
   [ "${2:-}" != reboot ] || boot=(--time --boottime "-$(($(cut -d. -f1 /proc/uptime) - 5))")
   # nsenter, not `ip netns exec`: that one mounts a fresh /sys, without the cgroup mounts slurmd needs.
   nsenter --net="/run/netns/$name" unshare ${boot[@]+"${boot[@]}"} --uts --mount --propagation private \
-    sh -c "mount --bind '$WORK/n$i/tmp' /tmp && hostname '$name' && exec slurmd"
+    sh -c "mount --bind '$WORK/n$i/tmp' /tmp && mount --bind '$WORK/n$i/shm' /dev/shm && hostname '$name' && exec slurmd"
 }
 node_pid() { cat "/run/slurmd-$(ns "$1").pid"; }
 for ((i = 1; i <= NODES; i++)); do start_node "$i"; done
@@ -402,10 +415,14 @@ fi
 ps -o pid=,comm= -p "$(echo $VICTIMS | tr ' ' ,)" | sed 's/^/  killing /'
 T_KILL=$(now)
 kill -9 $VICTIMS 2> /dev/null || true
+[ "$LOSS" = worker ] || rm -rf "$WORK/n$LOST/shm/"*  # a node's memory goes with it
 sleep "$DOWN_S"
 
 if [ "$LOSS" = worker ]; then
   say "nothing is restarted: what sky/bootstrap.sh and SkyPilot do with a dead worker is the test"
+elif [ "$LOST" = 1 ]; then
+  start_node "$LOST"
+  say "node $(ns $LOST) comes back with slurmd only: the run goes on without it, on the spare (its bootstrap again would be a second controller)"
 else
 say "node $(ns $LOST) comes back: slurmd$([ "$LOSS" = reboot ] && echo ' (new boot time)'), then sky/bootstrap.sh as SkyPilot ran it there (rank $((LOST - 1))), in allocation $JOBID"
 if [ "$LOSS" = reboot ]; then start_node "$LOST" reboot; else start_node "$LOST"; fi
@@ -435,7 +452,7 @@ SUMMARY=
 for _ in $(seq 1800); do
   SUMMARY=$(ls "$RUNS"/*/summary.json 2> /dev/null | head -n1 || true)
   [ -n "$SUMMARY" ] && break
-  launch_alive || break
+  launch_alive || [ "$LOST" = 1 ] || break  # the lost head was `sky launch`'s log stream: the run goes on
   sleep 1
 done
 T_DONE=$(now)
@@ -499,6 +516,8 @@ rows = [
     *([("node lost to the lost node ready as the new spare", refilled and refilled["wall"] - t_kill)] if spares else []),
     ("node lost to re-attach given up", (lambda e: e and e["wall"] - t_kill)(first("host_replacement_failed", replica=lost))),
     ("node lost to group rejoined (healed)", rejoined and rejoined["wall"] - t_kill),
+    ("node lost to a controller training again", (s.get("controller_lost") or {}).get("training_again_s") and
+     first("training_again") and first("training_again")["wall"] - t_kill),
     ("sky launch to summary", t_done - t_launch),
 ]
 print("[e2e-sky-nodes] timings:")
@@ -512,10 +531,23 @@ if s["committed_steps"] != steps:
     problems.append(f"committed {s['committed_steps']} steps, not {steps}")
 if s["checkpoints_written"] != 0:
     problems.append(f"{s['checkpoints_written']} checkpoint files written")
-if not any(u["replica"] == lost for u in s["unplanned_failures"]) or detected is None or host_lost is None:
-    problems.append(f"the loss of replica {lost}'s host is not recorded")
 digests = s["final_param_digest"]
-if expect == "heal":
+if expect != "takeover" and (not any(u["replica"] == lost for u in s["unplanned_failures"]) or detected is None
+                             or host_lost is None):
+    problems.append(f"the loss of replica {lost}'s host is not recorded")
+if expect == "takeover":  # node 0, the controller's, lost: the next node's standby took the run over
+    took = s.get("controller_lost") or {}
+    print("[e2e-sky-nodes] controller lost:", json.dumps(took))
+    if took.get("restored_from") != "memory" or took.get("steps_lost", 99) > 10:
+        problems.append(f"the run did not go on from node memory within a snapshot interval: {took}")
+    if len(digests) != 3 or len(set(digests.values())) != 1:
+        problems.append(f"final digests not 3 equal ones: {digests}")
+    if s["outcome"]["status"] != "ok":
+        problems.append(f"outcome {s['outcome']}")
+    ready = [e for e in events if e["event"] == "hosts_ready"]
+    if not ready or any(node_ip in h for h in ready[-1]["hosts"]):
+        problems.append(f"the controller that took over trains on the lost node {node_ip}: {ready[-1:]}")
+elif expect == "heal":
     if len(digests) != 3 or len(set(digests.values())) != 1:
         problems.append(f"final digests not 3 equal ones: {digests}")
     want_ip = spare_ip if spares else node_ip

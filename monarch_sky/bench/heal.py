@@ -12,9 +12,12 @@ receiver heals from them. Per size (0.25, 1, 4 GB by default) and transport it m
 - `http` (TorchFT's HTTPTransport) and `pg_gloo` (TorchFT's PGTransport over gloo).
 
 For each: the heal's seconds and GB/s (receiver: from the request to the state in hand), the
-ratio to raw, whether every tensor arrived bit for bit, and the serving rank's pause: how long
+ratio to raw, whether every tensor arrived bit for bit, the serving rank's pause: how long
 its step is held (`send_checkpoint`, then TorchFT's `disallow_checkpoint` at the end of a step
-that lasts `--step-s` after the heal began). Writes bench-heal.json and heal.png.
+that lasts `--step-s` after the heal began), and the memory each side took beyond the state it
+already held (peak resident memory, Linux's VmHWM), as a multiple of the state moved. A size
+whose cases would not fit this machine's free memory is skipped, with a line saying so.
+Writes bench-heal.json and heal.png.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from monarch_sky.bench.heal_procs import COPIES, receiver, sender
 
 TRANSPORTS = ("raw x1", "raw", "tcp", "tcp x2", "rdma", "http", "pg_gloo")
 STRIPE_MAX_GB = 1.0  # two senders of 4 GB each plus the receiver do not fit in 24 GB
+NEEDS = 4.0  # a size's cases hold at most about this many times the state at once (measured: peak columns)
 
 
 # ---- the driver ------------------------------------------------------------------------
@@ -86,10 +90,11 @@ class Bench:
         for pipe in senders:
             pipe.send("go")
         row = self._recv(recv)
-        pauses = [self._recv(pipe)["pause_s"] for pipe in senders]
+        served = [self._recv(pipe) for pipe in senders]
         for pipe in senders:
             pipe.send("done")
-        return {**row, "pause_s": max(pauses)}
+        return {**row, "pause_s": max(s["pause_s"] for s in served),
+                "sender_peak_bytes": max(s["peak_bytes"] for s in served)}
 
     def close(self) -> None:
         for pipe in self.pipes:
@@ -109,6 +114,15 @@ def _streams() -> int:
     return STREAMS
 
 
+def fits(total: int) -> tuple[bool, float]:
+    """Whether a size's cases fit this machine's free memory (`NEEDS` times the state), and
+    the GB that takes."""
+    import psutil
+
+    need = NEEDS * total
+    return need < psutil.virtual_memory().available, need / 1e9
+
+
 def run(sizes_gb: list[float], out: Path, timeout_s: float, step_s: float, device: str = "cpu",
         transports: tuple[str, ...] = TRANSPORTS) -> dict:
     bench = Bench(timeout_s, step_s, device)
@@ -116,6 +130,12 @@ def run(sizes_gb: list[float], out: Path, timeout_s: float, step_s: float, devic
     try:
         for gb in sizes_gb:
             total = int(gb * 1e9)
+            ok, need_gb = fits(total)
+            if not ok:
+                print(f"[bench-heal] {gb:5.2f} GB  skipped: its cases need about {need_gb:.0f} GB of memory "
+                      f"({NEEDS}x the state: its sender, a snapshot, the receiver), this machine has less free", flush=True)
+                rows.append({"transport": "all", "gb": gb, "error": f"skipped: needs ~{need_gb:.0f} GB free"})
+                continue
             for kind in transports:
                 if kind == "tcp x2" and gb > STRIPE_MAX_GB:
                     continue
@@ -126,9 +146,13 @@ def run(sizes_gb: list[float], out: Path, timeout_s: float, step_s: float, devic
                 row = {"transport": kind, "gb": gb, **row}
                 if "seconds" in row:
                     row["gb_per_s"] = round(row["bytes"] / row["seconds"] / 1e9, 3)
+                    for side in ("sender", "receiver"):  # memory a case took beyond the state held, x the state moved
+                        if row.get(f"{side}_peak_bytes"):
+                            row[f"{side}_peak_x"] = round(row[f"{side}_peak_bytes"] / row["bytes"], 2)
                 rows.append(row)
                 print(f"[bench-heal] {gb:5.2f} GB  {kind:8s} " + (
                     f"{row['gb_per_s']:6.2f} GB/s  {row['seconds']:7.2f}s  pause {row.get('pause_s', '-')}  "
+                    f"peak x{row.get('sender_peak_x', '-')} / x{row.get('receiver_peak_x', '-')}  "
                     + (f"to device {row['to_device_s']}s  " if row.get("to_device_s") else "") +
                     f"equal {row['equal']}" if "seconds" in row else row["error"]), flush=True)
     finally:
@@ -155,14 +179,15 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def table(result: dict) -> str:
-    lines = ["| GB/rank | transport | GB/s | vs raw | vs http | heal s | serving pause s | bit for bit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| GB/rank | transport | GB/s | vs raw | vs http | heal s | serving pause s | memory taken, sender / receiver (x state) | bit for bit |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in result["rows"]:
         if "gb_per_s" not in r:
-            lines.append(f"| {r['gb']} | {r['transport']} | {r['error']} | | | | | |")
+            lines.append(f"| {r['gb']} | {r['transport']} | {r['error']} | | | | | | |")
             continue
+        peaks = f"{r.get('sender_peak_x', '')} / {r.get('receiver_peak_x', '')}".strip(" /")
         lines.append(f"| {r['gb']} | {r['transport']} | {r['gb_per_s']:.2f} | {r['vs_raw']} | {r['vs_http']} | "
-                     f"{r['seconds']:.2f} | {r.get('pause_s', '')} | {r['equal']} |")
+                     f"{r['seconds']:.2f} | {r.get('pause_s', '')} | {peaks} | {r['equal']} |")
     return "\n".join(lines)
 
 
@@ -209,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(sizes, Path(args.out), args.timeout_s, args.step_s, args.device, transports)
     print(table(result))
     print(f"[bench-heal] {Path(args.out) / 'bench-heal.json'}, {Path(args.out) / 'heal.png'}")
-    return 0 if all(r.get("equal") for r in result["rows"]) else 1
+    return 0 if all(r.get("equal") for r in result["rows"] if "skipped" not in r.get("error", "")) else 1
 
 
 if __name__ == "__main__":

@@ -89,31 +89,48 @@ def _transport(kind: str, rank: int, store_addr: str, case: str, timeout: timede
     return built("127.0.0.1", secret_from_env(), timeout.total_seconds())
 
 
+def _status(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(f"{field}:"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def peak_reset() -> int:
+    """Start this process's peak resident memory over (Linux: VmHWM); returns what it holds now."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+    return _status("VmRSS")
+
+
+def peak_extra(base: int) -> int:
+    """How far this process's resident memory rose above `base` since `peak_reset`: what a
+    case took beyond the state the process already held (0 where Linux does not say)."""
+    return max(0, _status("VmHWM") - base)
+
+
 def sender(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> None:
     """Holds a state per size (on `device`, as a trainer holds it); serves it over the
-    transport each case names."""
+    transport each case names. Each case's transport is shut down after it (its snapshot
+    freed), so a case's peak is the state, its one snapshot and the transport's own."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from monarch_sky.replica import heal_wire
-
     states: dict[int, dict] = {}
-    ours: dict[tuple, object] = {}  # tcp, rdma: kept per size, the snapshot mapped (and registered) as a trainer's is
     timeout = timedelta(seconds=timeout_s)
     while (msg := conn.recv()) is not None:
         kind, total, case, step_s = msg
         if kind.startswith("raw"):
             conn.send(_raw_send(conn, total))
             continue
-        if total not in states:  # one size at a time: 4 GB of state and its snapshot is enough
-            for old in list(ours.values()):
-                old.shutdown()
-            states.clear(), ours.clear()
+        if total not in states:  # one size at a time
+            states.clear()
             states[total] = make_state(total, device)
         state = states[total]
-        mine = kind.split()[0] if kind.startswith(OURS) else None
-        if mine and (mine, total) not in ours:
-            ours[mine, total] = _transport(mine, 0, store_addr, case, timeout)
-            ours[mine, total].prepare(heal_wire.layout(state)[3])
-        transport = ours[mine, total] if mine else _transport(kind, 0, store_addr, case, timeout)
+        base = peak_reset()
+        transport = _transport(kind.split()[0], 0, store_addr, case, timeout)
         conn.send(transport.metadata() if hasattr(transport, "metadata") else "")
         conn.recv()  # the receiver has begun
         began = time.perf_counter()
@@ -123,10 +140,9 @@ def sender(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> None
         blocked = time.perf_counter()
         transport.disallow_checkpoint()
         pause = (sent - began) + (time.perf_counter() - blocked)
-        conn.send({"pause_s": round(pause, 3)})
+        conn.send({"pause_s": round(pause, 3), "peak_bytes": peak_extra(base)})
         conn.recv()  # the receiver is done: close
-        if not mine:
-            transport.shutdown(wait=False)
+        transport.shutdown(wait=False)
 
 
 def receiver(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> None:
@@ -144,6 +160,7 @@ def receiver(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> No
         if kind in COPIES:
             conn.send(_copy(kind, total))
             continue
+        base = peak_reset()
         if kind.startswith(OURS):
             into = heal_wire.host_buffer(receive_bytes(total))  # a rejoiner maps it while it builds
             began = time.perf_counter()
@@ -162,7 +179,7 @@ def receiver(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> No
         done = time.perf_counter()
         equal, nbytes = verify(state, total, device)
         conn.send({"seconds": round(done - began, 3), "bytes": nbytes, "equal": equal,
-                   "to_device_s": round(done - fetched, 3)})
+                   "to_device_s": round(done - fetched, 3), "receiver_peak_bytes": peak_extra(base)})
         del state
 
 

@@ -1,6 +1,6 @@
 """The chaos schedule injected from outside, into arms that run without Monarch.
 
-The draws are monarch-sky's own (`injector.chaos_draws`: gap, kind, replica from the seed)
+The draws are monarch-sky's own (`schedule.chaos_draws`: gap, kind, replica from the seed)
 and follow its rules: the clock starts with the arm's first step, a fault goes only to a
 replica that is not still recovering from an earlier one while another keeps training, and
 the last tenth of the run gets none. A single job (checkpoint-restart) has nothing running
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable
 
 from monarch_sky.bench.launch import Launch, signal_pid_file
-from monarch_sky.faults.injector import chaos_draws
+from monarch_sky.faults.schedule import chaos_draws
 from monarch_sky.record.jsonl import JsonlTail
 
 SIGNALS = {"kill": signal.SIGKILL, "segfault": signal.SIGSEGV, "stop": signal.SIGSTOP}

@@ -242,3 +242,17 @@ def _free(group, failed) -> None:
     # long enough for the controller to call a healthy survivor hung.
     if failed is not None and group._pg is failed:  # not one the next quorum built meanwhile
         group.abort()
+
+
+def copies_beside_the_step():
+    """Called on the training thread: a context for another thread's device-to-host copies of
+    the tensors as they are now. On a GPU, a stream of their own that first waits for the work
+    queued so far, so the copies overlap the next step's compute instead of queueing behind it
+    on the default stream (not run here: no GPU). On CPU, nothing to do."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    return lambda: torch.cuda.stream(stream)

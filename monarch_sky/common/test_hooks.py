@@ -20,6 +20,7 @@ DIE_AFTER_COMMIT_ENV = "MONARCH_SKY_TEST_DIE_AFTER_COMMIT"
 FAIL_A_LOAD_ENV = "MONARCH_SKY_TEST_FAIL_A_LOAD"
 REFILL_WARM_DELAY_ENV = "MONARCH_SKY_TEST_REFILL_WARM_DELAY_S"
 STEP_PAUSE_ENV = "MONARCH_SKY_TEST_STEP_PAUSE_S"
+REFUSE_COMMIT_ENV = "MONARCH_SKY_TEST_REFUSE_COMMIT"
 
 
 def refuse_rejoin_commit() -> bool:
@@ -67,6 +68,14 @@ def leak_a_process(replica: int, rank: int) -> None:
         import subprocess
 
         subprocess.Popen(["sleep", "600"], start_new_session=True)
+
+
+def refuse_commit_at(replica: int) -> int | None:
+    """`REPLICA:STEP`: that replica's first generation fails the step that would reach STEP
+    (an error reported to TorchFT, as a failed collective would), while its peers commit it:
+    the group falls behind without a restart (in DiLoCo, a missed sync)."""
+    wanted, _, step = os.environ.get(REFUSE_COMMIT_ENV, "").partition(":")
+    return int(step) if wanted == str(replica) and step.isdigit() else None
 
 
 def die_after_commit(replica: int, rank: int, step: int, log_kept: Callable[[], None]) -> None:

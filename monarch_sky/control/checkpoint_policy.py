@@ -32,8 +32,6 @@ from monarch_sky.control.checkpoint_resume import SHAPE, data_states, fingerprin
 from monarch_sky.control.context import off_loop
 from monarch_sky.control.slot_state import SlotState
 
-HISTORY = 8  # steps of data positions kept per group, to note each group's at the saved step
-
 
 class CheckpointPolicy:
     def __init__(self, ctx, resume: Found | None = None, previous: dict[str, Any] | None = None):
@@ -46,7 +44,6 @@ class CheckpointPolicy:
         self.saved: list[dict[str, Any]] = []  # step, replica, blocking_s of each staged save
         self.failed: list[dict[str, Any]] = []
         self._last_at: float | None = None  # when the interval started (training, or the last save)
-        self._history: dict[int, dict[int, tuple]] = {}  # replica -> step -> per-rank data states
         self.off_because: str | None = None  # why checkpoints were turned off although asked for
         self.probe: str | None = None
         self.unreadable: set[int] = set()  # the steps of checkpoints that failed to load, set aside
@@ -128,6 +125,12 @@ class CheckpointPolicy:
                 self.previous["steps_lost"] = self.previous["last_step"] - (older.step if older else 0)
         return older
 
+    def drop_resume(self) -> None:
+        """The run goes on from newer state in node memory: load no checkpoint at start."""
+        if self.resume is not None and self.previous is not None:
+            self.previous["resumed_from_step"] = None
+        self.resume = None
+
     def none_to_reload(self) -> str:
         """Why a run that lost its training state starts over instead of loading a checkpoint."""
         if self.enabled or self.resume is not None:
@@ -161,10 +164,6 @@ class CheckpointPolicy:
         """Called by a slot after each step result; saves when this slot is due to."""
         if r.write_failed:
             self._write_failed(slot, *r.write_failed)
-        history = self._history.setdefault(slot.index, {})
-        history[r.step] = r.data_states
-        for old in [s for s in history if s <= r.step - HISTORY]:
-            del history[old]
         if self._due(slot, r):
             await self._save(slot, r.step)
 
@@ -217,7 +216,7 @@ class CheckpointPolicy:
             await asyncio.sleep(0.05)
         data = {}
         for slot in ctx.slots:
-            states = self._history.get(slot.index, {}).get(step)
+            states = ctx.data_history.at(slot.index, step)
             data[str(slot.index)] = list(states if states is not None else slot.data_states)
         cfg = ctx.cfg
         settings = fingerprint(cfg)

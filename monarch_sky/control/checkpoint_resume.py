@@ -112,4 +112,5 @@ def restart_message(run_id: str, previous: dict[str, Any]) -> str:
             f"Resumed from the checkpoint at step {step}; lost {previous['steps_lost']} steps "
             f"(the last recorded step was {last})."
         )
-    return said + f"There is no checkpoint, so those {last} steps are lost: training starts again from step 0."
+    return said + ("There is no checkpoint: the run goes on from the newest state its hosts hold in node memory, "
+                   "if any, else from step 0.")

@@ -34,6 +34,8 @@ class RunContext:
     platform: platform_mod.Platform  # the controller's own host
     injector: Any = None  # FaultInjector
     ledger: Any = None  # StepLedger
+    data_history: Any = None  # ledger.DataHistory: each group's recent data positions
+    memory: Any = None  # memory_restore.NodeMemory: the run's state in node memory
     router: Any = None  # supervision.FailureRouter
     checkpoints: Any = None  # checkpoint_policy.CheckpointPolicy
     spares: Any = None  # spares.SparePool
@@ -59,10 +61,12 @@ class RunContext:
     def dump_folder(self, index: int) -> str:
         return str(self.record.path / "torchtitan" / f"replica_{index}")
 
-    def spec(self, index: int, resume: Any = None) -> TrainerSpec:
-        """Group `index`'s trainer spec; `resume`: a checkpoint (`checkpoints.Found`) to load at setup."""
+    def spec(self, index: int, resume: Any = None, restore_step: int | None = None) -> TrainerSpec:
+        """Group `index`'s trainer spec; `resume`: a checkpoint (`checkpoints.Found`) to load at
+        setup; `restore_step`: a step to load from its hosts' node memory instead."""
         checkpoint = self.checkpoints.spec_for(index, resume) if self.checkpoints is not None else None
-        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), checkpoint=checkpoint)  # platform: the host's own
+        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), checkpoint=checkpoint,  # platform: the host's own
+                                    restore_step=restore_step)
 
     def refuse_platform(self, platform: str) -> str | None:
         """Why a group on `platform` may not train, or None. Every group must have the same

@@ -22,9 +22,10 @@ from monarch_sky.config import Job, ranks_per_group
 from monarch_sky.control import heal_budget
 from monarch_sky.control.checkpoint_policy import CheckpointPolicy
 from monarch_sky.control.context import RunContext, off_loop
-from monarch_sky.control.detection import HostWatchdog, exited_on_hosts, probe_hosts
+from monarch_sky.control.failure_watch import FailureWatch
 from monarch_sky.control.host_replacement import attach_hosts
-from monarch_sky.control.ledger import StatusCounts, StepLedger
+from monarch_sky.control.ledger import DataHistory, StatusCounts, StepLedger
+from monarch_sky.control.memory_restore import NodeMemory, Superseded, go_on_from, restarted_without_memory
 from monarch_sky.control.shutdown import stop_everything
 from monarch_sky.control.slot import Slot
 from monarch_sky.control.slot_state import SlotState
@@ -32,14 +33,12 @@ from monarch_sky.control.spares import SparePool
 from monarch_sky.control.summary import build_summary
 from monarch_sky.faults.injector import FaultInjector
 from monarch_sky.hosts import lighthouse_gate, tls
-from monarch_sky.hosts.base import UP, HostProvider
+from monarch_sky.hosts.base import HostProvider
 from monarch_sky.record.progress import Display
 from monarch_sky.record.tracking import RunRecord, Tracker
 
 log = logging.getLogger(__name__)
 
-DETECT_EVERY_S = 0.5
-HANG_FACTOR = 5  # a step this many times the recent median is suspected of hanging
 
 
 class Controller:
@@ -52,20 +51,25 @@ class Controller:
         display: Display,
         previous_controller: dict[str, Any] | None = None,  # what a dead controller of this run left
         resume=None,  # checkpoints.Found: the checkpoint a restarted run goes on from
+        survey_memory: bool = False,  # the run id may be an existing run's: ask the hosts' node memory
     ):
         cfg = job.config
         self.ctx = ctx = RunContext(cfg, provider, record, tracker, display, platform_mod.detect())
         ctx.checkpoints = CheckpointPolicy(ctx, resume, previous_controller)
+        ctx.memory = NodeMemory(ctx)
+        ctx.memory.fired = list((previous_controller or {}).get("faults_fired", []))  # noted again with each new one
         ctx.injector = FaultInjector(job.faults, cfg.seed, ranks_per_group(cfg), record, display, tracker,
                                      fired_before=(previous_controller or {}).get("faults_fired", []),
-                                     on_fired=ctx.checkpoints.note_fault_fired)
+                                     on_fired=self._note_fault_fired)
         ctx.ledger = StepLedger(cfg.steps, record, tracker, display, self._counts)
+        ctx.data_history = DataHistory()
+        self.survey_memory = survey_memory
+        self.agents: list[asyncio.Future] = []  # each slot's host agent, starting
+        self.keep_memory = False  # the run failed: its node memory stays for a run again under its id
         ctx.spares = SparePool(ctx)
         self.slots: list[Slot] = ctx.slots
         self.lighthouse = None
         self.gate = None  # lighthouse_gate's relay in front of it, when the run has TLS
-        self.watchdog = HostWatchdog.of(cfg.hosts)
-        self._pinging: set = set()  # groups whose hang check is running
         self.previous_controller = previous_controller
         self.left_running: list[str] = []  # the run's processes its orderly stop missed (shutdown.py)
 
@@ -80,15 +84,19 @@ class Controller:
                 lambda owner, report: loop.call_soon_threadsafe(self._on_failure, owner, report, time.monotonic())
             )
             await self._start_hosts()
+            if self.survey_memory:
+                await self._go_on_from_memory()
+            if ctx.memory.restored is None and self.previous_controller is not None:
+                ctx.memory.restored = restarted_without_memory(ctx, self.previous_controller)
             ctx.phase(f"starting {len(self.slots)} replica groups (process spawn + imports + trainer build)")
-            started = await asyncio.gather(*(s.activate(rejoining=False) for s in self.slots))
+            started = await asyncio.gather(*(s.activate(rejoining=self._heals_first(s)) for s in self.slots))
             if not any(started):
                 raise RuntimeError("no replica group could start; see replica_start_failed in events.jsonl")
             await self._warm_standbys()
             ctx.checkpoints.start_training()
             ctx.phase(f"training {ctx.cfg.steps} steps")
             ctx.record.event("training_started", replicas=len(self.slots))
-            ctx.in_background(self._detect())
+            ctx.in_background(FailureWatch(ctx).run())
             if ctx.cfg.chaos.every_s > 0:
                 ctx.in_background(ctx.injector.chaos(ctx.cfg.chaos, ctx.cfg.replicas, ctx.cfg.steps, self._training,
                                                      lambda: ctx.ledger.run_step, self._time_left_s, self._recovering))
@@ -96,8 +104,13 @@ class Controller:
             ctx.ledger.flush(final=True)
             final, errors = await self._final_states()
             summary = build_summary(ctx, self.slots, final, errors, self.previous_controller)
+        except Exception:
+            self.keep_memory = True  # a controller's failure: a run again under its id goes on from memory
+            raise
         finally:
-            self.left_running = await stop_everything(ctx, self.slots, self.lighthouse)
+            fenced = ctx.memory.fenced_by is not None  # the hosts and their memory are the newer controller's
+            self.left_running = await stop_everything(ctx, self.slots, self.lighthouse,
+                                                      forget_memory=not (self.keep_memory or fenced), release_hosts=not fenced)
             if self.gate is not None:
                 self.gate.close()
         summary["left_running"] = self.left_running
@@ -109,6 +122,27 @@ class Controller:
         summary["outcome"] = outcome
         summary["left_running"] = self.left_running
         return summary
+
+    def _note_fault_fired(self, spec: str):
+        self.ctx.checkpoints.note_fault_fired(spec)
+        return self.ctx.memory.note_fault_fired(spec)
+
+    async def _go_on_from_memory(self) -> None:
+        """A run id that may be an existing run's: go on from the newest state its hosts hold."""
+        ctx = self.ctx
+        agents = await asyncio.wait_for(asyncio.gather(*self.agents), ctx.cfg.timeouts.spawn_s)
+        point = await ctx.memory.survey(agents)
+        resume = ctx.checkpoints.resume
+        if point is None or (resume is not None and resume.step > point.step):
+            return
+        ctx.checkpoints.drop_resume()  # node memory holds a newer state than the checkpoint
+        ctx.memory.point = point
+        ctx.memory.restored = go_on_from(ctx, point, self.previous_controller)
+
+    def _heals_first(self, slot: Slot) -> bool:
+        """Going on from node memory, a group whose hosts hold none of it heals from one that does."""
+        point = self.ctx.memory.point
+        return point is not None and slot.index not in point.loaders
 
     def _time_left_s(self) -> float:
         """The rest of the run at the recent pace."""
@@ -166,8 +200,7 @@ class Controller:
         for index in range(ctx.cfg.replicas):
             group_hosts = hosts[index * per:(index + 1) * per]
             self.slots.append(Slot(ctx, index, group_hosts, await attach_hosts(ctx, group_hosts)))
-        for slot in self.slots:
-            ctx.in_background(slot.gens.start_agent())
+        self.agents = [ctx.in_background(slot.gens.start_agent()) for slot in self.slots]
         ctx.record.event("hosts_ready", hosts=[h.address for h in hosts])
 
     async def _warm_standbys(self) -> None:
@@ -196,7 +229,10 @@ class Controller:
         pending = set(tasks)
         try:
             while pending and not ctx.finishing:
-                _, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                _, pending = await asyncio.wait(pending, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+                if ctx.memory.fenced_by is not None:
+                    raise Superseded(f"a newer controller of run {ctx.cfg.run_id} (epoch {ctx.memory.fenced_by}) "
+                                     "drives it now")
             for task in pending:  # a step call already out (a rejoiner's last sync too) may finish
                 if tasks[task].state is not SlotState.TRAINING and tasks[task].in_flight_since is None:
                     task.cancel()
@@ -233,49 +269,6 @@ class Controller:
             group.mark_failed(supervision.short_reason(report))
         elif group is not None:
             self.slots[group.index].on_failure(group, supervision.short_reason(report), at)
-
-    async def _detect(self) -> None:
-        """Ask the hosts every half second; Monarch supervision reports on its own."""
-        ctx = self.ctx
-        while True:
-            await asyncio.sleep(DETECT_EVERY_S)
-            watched = [s for s in self.slots if s.group is not None and s.group.failure is None]
-            await asyncio.gather(*(self._check(s) for s in watched), ctx.spares.check(), return_exceptions=True)
-
-    async def _check(self, slot: Slot) -> None:
-        group, hosts = slot.group, slot.hosts
-        dead, probes = await probe_hosts(self.ctx.provider, hosts, self.watchdog, DETECT_EVERY_S * 2)
-        if dead is not None:
-            self.watchdog.forget(dead.address)
-            slot.on_failure(group, f"host {dead.name} ({dead.address}) is unreachable", time.monotonic())
-            return
-        reachable = all(p == UP for p in probes)
-        if reachable and self._suspect_hang(slot):
-            self.ctx.in_background(self._check_hang(slot, group))
-        if reachable and slot.agent is not None and group.pids:
-            try:
-                exited = await exited_on_hosts(slot.agent, group.pids, 2 * DETECT_EVERY_S)
-            except Exception:  # a slow or restarting agent says nothing either way
-                return
-            if exited and slot.group is group:
-                slot.on_failure(group, f"process {exited[0]} exited (seen by its host)", time.monotonic())
-
-    def _suspect_hang(self, slot: Slot) -> bool:
-        """A step out for several times the recent median (and at least timeouts.hang_s)."""
-        since, hang_s = slot.in_flight_since, self.ctx.cfg.timeouts.hang_s
-        if since is None or slot.group in self._pinging:
-            return False
-        return time.monotonic() - since > max(HANG_FACTOR * self.ctx.ledger.median_step_s(), hang_s)
-
-    async def _check_hang(self, slot: Slot, group) -> None:
-        """Confirm a suspected hang: a live trainer answers a ping even mid-step."""
-        self._pinging.add(group)
-        try:
-            hang_s = self.ctx.cfg.timeouts.hang_s
-            if not await group.answers(hang_s) and slot.group is group and slot.in_flight_since is not None:
-                slot.on_failure(group, f"hung: a trainer answered nothing for {hang_s:g}s during a step", time.monotonic())
-        finally:
-            self._pinging.discard(group)
 
     # ---- end of run ------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ import time
 
 from monarch.actor import Actor, endpoint
 
+from monarch_sky.common import node_memory
 from monarch_sky.common.supervision import resolved
 from monarch_sky.hosts.base import REFUSED, UP
 
@@ -43,6 +44,44 @@ class HostAgent(Actor):
             except psutil.NoSuchProcess:
                 gone.append(pid)
         return gone
+
+    @endpoint
+    def reap_others(self) -> int:
+        """Kill what an earlier controller left on this host: every process its worker started
+        but this agent (with their children). Monarch stops such orphans only a minute later,
+        and meanwhile they would hold the accelerators a new generation needs."""
+        import psutil
+
+        me = psutil.Process()
+        worker = me.parent()
+        others = [p for child in (worker.children() if worker else []) if child.pid != me.pid
+                  for p in (child, *child.children(recursive=True))]
+        for proc in others:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(others, timeout=10)
+        return len(others)
+
+    @endpoint
+    def memory(self, run_id: str) -> dict:
+        """What this host's node memory holds of the run (`node_memory.listing`)."""
+        return node_memory.listing(run_id)
+
+    @endpoint
+    def note(self, run_id: str, epoch: int, step: int | None, note: dict) -> int:
+        """Keep the controller's note (for a snapshot `step`; None: the run's own note) unless
+        a newer controller claimed this host; returns the epoch that holds it."""
+        held = node_memory.claim(run_id, epoch)
+        if held == epoch:
+            node_memory.write_note(run_id, step, note)
+        return held
+
+    @endpoint
+    def forget(self, run_id: str) -> int:
+        """The run ended: give its node memory back (bytes freed)."""
+        return node_memory.drop_run(run_id)
 
     @endpoint
     def kill(self, pids: list[int]) -> None:

@@ -47,9 +47,9 @@ class Generations(HostReplacement):
         self.standby = asyncio.get_running_loop().create_future()
         self.standby.set_result(group)
 
-    async def start_agent(self) -> None:
-        """A HostAgent on each of the group's hosts; retried, since without one the group's
-        exits go unseen and its old ranks cannot be killed."""
+    async def start_agent(self):
+        """A HostAgent on each of the group's hosts (returned); retried, since without one the
+        group's exits go unseen and its old ranks cannot be killed."""
         mesh = self.host_mesh
         for attempt in range(1, AGENT_TRIES + 1):
             try:
@@ -62,7 +62,7 @@ class Generations(HostReplacement):
                 continue
             if self.host_mesh is mesh:  # still this group's hosts
                 self.agent = agent
-            return
+            return agent
 
     async def release(self) -> None:
         """Tell the live hosts' workers the run is over (bootstrapped nodes then exit)."""
@@ -118,12 +118,13 @@ class Generations(HostReplacement):
         if self.ctx.cfg.ft.standby and not self.ctx.finishing and self.standby is None:
             self.standby = asyncio.ensure_future(self.spawn())
 
-    async def build(self, rejoining: bool, data: DataHandover, resume=None) -> tuple[ReplicaGroup, bool, dict]:
+    async def build(self, rejoining: bool, data: DataHandover, resume=None,
+                    restore_step: int | None = None) -> tuple[ReplicaGroup, bool, dict]:
         """A generation set up to train (from the warm standby if it is alive) and whether it
         was warm, and its setup's answer; raises if it fails, HostError as soon as one of the
         group's hosts dies meanwhile (not after `timeouts.spawn_s`). `resume`: a checkpoint
-        (`checkpoints.Found`) it loads at setup."""
-        build = asyncio.ensure_future(self._build(rejoining, data, resume))
+        (`checkpoints.Found`) it loads at setup; `restore_step`: a step it loads from node memory."""
+        build = asyncio.ensure_future(self._build(rejoining, data, resume, restore_step))
         host = await unless_a_host_dies(build, self.ctx.provider, self.hosts, HostWatchdog.of(self.ctx.cfg.hosts), PROBE_EVERY_S)
         if host is None:
             return build.result()
@@ -131,11 +132,11 @@ class Generations(HostReplacement):
         self.ctx.keep(build)
         raise HostError(f"host {host.name} ({host.address}) died while generation {self.spawned - 1} was being built")
 
-    async def _build(self, rejoining: bool, data: DataHandover, resume) -> tuple[ReplicaGroup, bool, dict]:
+    async def _build(self, rejoining: bool, data: DataHandover, resume, restore_step) -> tuple[ReplicaGroup, bool, dict]:
         group = None
         try:
             group, warm = await self.take()
-            spec = self.ctx.spec(self.index, resume)
+            spec = self.ctx.spec(self.index, resume, restore_step)
             return group, warm, await group.setup(spec, rejoining, data, self.ctx.cfg.timeouts.spawn_s)
         except BaseException:
             if group is not None and await self.lost_hosts():

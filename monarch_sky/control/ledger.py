@@ -18,6 +18,7 @@ from typing import Callable
 from monarch_sky.replica.step_result import StepResult
 
 QUORUM_HISTORY = 1024  # steps whose quorum members are kept (bounded at any run length)
+DATA_HISTORY = 8  # steps of data positions kept per group, to note each group's at a saved step
 
 
 @dataclass
@@ -122,3 +123,20 @@ class StepLedger:
     def first_and_last_loss(self) -> dict[str, float | None]:
         """Of the logged steps: call after `flush(final=True)`."""
         return dict(self.losses)
+
+
+class DataHistory:
+    """Each group's data positions (per rank) at its recent steps: what a checkpoint's or a
+    node-memory snapshot's note records for the step it was taken at."""
+
+    def __init__(self) -> None:
+        self._at: dict[int, dict[int, tuple]] = {}  # replica -> step -> per-rank data states
+
+    def add(self, r: StepResult) -> None:
+        history = self._at.setdefault(r.replica, {})
+        history[r.step] = r.data_states
+        for old in [s for s in history if s <= r.step - DATA_HISTORY]:
+            del history[old]
+
+    def at(self, replica: int, step: int) -> tuple | None:
+        return self._at.get(replica, {}).get(step)

@@ -8,10 +8,11 @@
   without a survivor that comes later.
 - Did it recover anything? A commit far behind the run is no rejoin: while a group that
   holds the state trains, the newcomer heals from it later; if none does, the state is lost.
-- Lost state: with a complete checkpoint, a new generation with no one to heal from loads
-  it. One that already trained from scratch heals from a group that is coming back to load
-  it, or, with none coming, is rebuilt to load it itself. Without a checkpoint, training
-  starts over. Either is reported as lost progress, never as a recovery.
+- Lost state: a new generation with no one to heal from loads the newest state its hosts hold
+  in node memory, or the newest complete checkpoint if that is newer. One that already trained
+  from scratch heals from a group that is coming back to load it, or, with none coming, is
+  rebuilt to load it itself. With neither, training starts over. Each is reported as lost
+  progress, never as a recovery.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 
 from monarch_sky.control.checkpoint_resume import data_states
 from monarch_sky.control.context import RunContext
+from monarch_sky.control.memory_point import MemoryPoint
+from monarch_sky.replica.data_position import DataHandover
 from monarch_sky.control.slot_state import SlotState
 from monarch_sky.replica.step_result import StepResult
 
@@ -102,7 +105,7 @@ def holders(ctx: RunContext, slot) -> list:
     oldest = ctx.ledger.run_step - commit_slack(ctx)
 
     def holds(s) -> bool:
-        if s.state is SlotState.REJOINING and s.from_checkpoint is not None:
+        if s.state is SlotState.REJOINING and s.loaded_step is not None:
             return True
         trains = s.state in (SlotState.TRAINING, SlotState.DONE) or s.state is SlotState.REJOINING and s.heal is not None
         return trains and s.step >= oldest
@@ -119,7 +122,7 @@ def behind(ctx: RunContext, slot, r: StepResult) -> Behind:
     if none does, the state is lost (`checkpoint_to_reload`, `note_progress_lost`).
     """
     slack = commit_slack(ctx)
-    if r.step >= ctx.ledger.run_step - slack or slot.from_checkpoint is not None:
+    if r.step >= ctx.ledger.run_step - slack or slot.loaded_step is not None:
         return Behind.NO
     return Behind.CATCHING_UP if holders(ctx, slot) else Behind.STATE_LOST
 
@@ -130,32 +133,41 @@ def another_coming_back(ctx: RunContext, slot) -> bool:
     return any(s is not slot and s.state is SlotState.RECOVERING for s in ctx.slots)
 
 
-async def checkpoint_to_reload(ctx: RunContext, slot):
-    """The checkpoint a new generation of `slot` loads instead of healing, or None.
+async def state_to_reload(ctx: RunContext, slot):
+    """What a new generation of `slot` loads instead of healing: the newest state its hosts hold
+    in node memory (a `memory_restore.MemoryPoint`) or the newest complete checkpoint (a
+    `checkpoints.Found`), whichever is newer; None when another group holds the training state
+    (the usual case: it heals from that one) or there is neither.
 
-    Only when no other group holds the training state (every holder failed at once) and the
-    run has a complete checkpoint: healing from a fresh peer would start training over.
+    Only when every holder failed at once: healing from a fresh peer would start training over.
     """
     if holders(ctx, slot) or ctx.ledger.run_step == 0:
         return None
-    return await ctx.checkpoints.newest()
+    memory, found = await ctx.memory.held_by(slot), await ctx.checkpoints.newest()
+    if memory is not None and (found is None or memory.step >= found.step):
+        return memory
+    return found
 
 
 def note_progress_lost(ctx: RunContext, slot, restarted_at: int, found=None) -> None:
     """Every group holding the state failed: training goes on from `restarted_at`, the step of
-    the checkpoint `found` (its steps after it are trained again) or, with none, from scratch.
+    `found` (the state in node memory or a checkpoint: its steps after it are trained again)
+    or, with none, from scratch.
     Recorded once per loss: by the first group to go back (a group that loaded the same
     checkpoint a moment later finds that one holding the state)."""
     at = ctx.ledger.run_step
     if at <= restarted_at or holders(ctx, slot) or any(p["at_step"] == at for p in ctx.progress_lost):
         return
+    memory = isinstance(found, MemoryPoint)
     lost = {"replica": slot.index, "at_step": at, "restarted_at_step": restarted_at,
-            "from_checkpoint": str(found.path) if found else None}
+            "from_checkpoint": str(found.path) if found is not None and not memory else None,
+            "from_memory": list(found.hosts) if memory else None}
     ctx.progress_lost.append(lost)
     ctx.record.event("progress_lost", **lost)
     ctx.ledger.rewind(restarted_at)
     if found is not None:
-        went = f"loaded the checkpoint at step {found.step}: {at - found.step} steps are trained again"
+        what = "the state its hosts held in node memory" if memory else "the checkpoint"
+        went = f"loaded {what} at step {found.step}: {at - found.step} steps are trained again"
     else:
         went = f"training restarts at step {restarted_at}, {ctx.checkpoints.none_to_reload()}"
         for other in ctx.slots:  # those still coming back heal from one that started over: no recovery
@@ -164,8 +176,34 @@ def note_progress_lost(ctx: RunContext, slot, restarted_at: int, found=None) -> 
 
 
 def resume_from(ctx: RunContext, slot, found) -> None:
-    """Slot's new generation loaded `found`: its step and data position are the checkpoint's."""
+    """Slot's new generation loaded `found` (node memory or a checkpoint): its step and data
+    position are those of `found`."""
     note_progress_lost(ctx, slot, found.step, found)
-    slot.from_checkpoint = found.step
-    slot.step, slot.skip_steps = found.step, 0
-    slot.data_states = data_states(found, slot.index)
+    slot.loaded_step, slot.loaded_from = found.step, "memory" if isinstance(found, MemoryPoint) else "checkpoint"
+    slot.step = found.step
+    if isinstance(found, MemoryPoint):
+        slot.data_states, slot.skip_steps = found.data_states.get(slot.index, ()), found.skip_steps.get(slot.index, 0)
+    else:
+        slot.data_states, slot.skip_steps = data_states(found, slot.index), 0
+
+
+def what_it_loads(ctx: RunContext, slot, rejoining: bool, resume):
+    """(the checkpoint a new generation of `slot` loads, the node memory it loads instead):
+    `resume` if given, else the first generation's of a run that goes on from memory or a
+    checkpoint (none for a generation that heals)."""
+    if isinstance(resume, MemoryPoint):
+        return None, resume
+    if resume is not None or rejoining:
+        return resume, None
+    point = ctx.memory.point if slot.state is SlotState.STARTING else None
+    if point is not None and slot.index in point.loaders:
+        return None, point
+    return ctx.checkpoints.resume, None  # a restarted run's, if any
+
+
+def data_handover(slot, rejoining: bool, memory: MemoryPoint | None) -> DataHandover:
+    """Where a new generation reads on: node memory's position at its step, the slot's own (a
+    rejoin), or, loading a checkpoint or starting afresh, none given (the checkpoint has it)."""
+    if memory is not None:
+        return DataHandover(memory.data_states.get(slot.index, ()), memory.skip_steps.get(slot.index, 0))
+    return DataHandover(slot.data_states, slot.skip_steps) if rejoining else DataHandover()

@@ -1,7 +1,8 @@
 """Stopping a run: everything it started, in order, within timeouts.stop_s, and what did not stop.
 
-The order: background tasks and standbys, the replica groups, the hosts' workers (the groups'
-and the spares'), then the provider takes its hosts back and the lighthouse stops. Before the
+The order: background tasks and standbys, the replica groups, the run's node memory (given
+back), the hosts' workers (the groups' and the spares'), then the provider takes its hosts back
+and the lighthouse stops. Before the
 provider does (it kills whatever runs on the hosts it started), the run's processes still alive
 on this machine other than those hosts' workers are listed: a trainer the orderly stop missed
 would stay up on a real node, holding its accelerator's memory. The summary's `left_running`
@@ -23,8 +24,12 @@ log = logging.getLogger(__name__)
 EXIT_GRACE_S = 5.0  # how long the run's processes get to exit after their hosts were told to stop
 
 
-async def stop_everything(ctx: RunContext, slots: list, lighthouse) -> list[str]:
-    """Stop what the run started; returns the processes the orderly stop left running."""
+async def stop_everything(ctx: RunContext, slots: list, lighthouse, forget_memory: bool = True,
+                          release_hosts: bool = True) -> list[str]:
+    """Stop what the run started; returns the processes the orderly stop left running.
+    `forget_memory`: give the run's node memory back (not after a controller's failure,
+    which a run again under its id goes on from). `release_hosts`: tell the hosts' workers the
+    run is over (not when a newer controller of the run drives them)."""
     ctx.finishing = True
     deadline = time.monotonic() + ctx.cfg.timeouts.stop_s
     for task in list(ctx.background):
@@ -34,8 +39,11 @@ async def stop_everything(ctx: RunContext, slots: list, lighthouse) -> list[str]
         *(s.gens.close_standby() for s in slots), *ctx.background, return_exceptions=True))
     await _within(ctx, deadline, "replica groups", asyncio.gather(
         *(g.close(stop_s) for g in list(ctx.groups.values())), return_exceptions=True))
-    await _within(ctx, deadline, "hosts", asyncio.gather(
-        *(s.gens.release() for s in slots), ctx.spares.release(), return_exceptions=True))
+    if forget_memory and ctx.memory is not None:  # once no trainer writes to it any more
+        await _within(ctx, deadline, "node memory", ctx.memory.forget())
+    if release_hosts:
+        await _within(ctx, deadline, "hosts", asyncio.gather(
+            *(s.gens.release() for s in slots), ctx.spares.release(), return_exceptions=True))
     if ctx.router is not None:
         ctx.router.uninstall()
     left = await off_loop(left_running, ctx.cfg.run_id, ctx.provider.host_pids(), EXIT_GRACE_S)

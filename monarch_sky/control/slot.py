@@ -19,7 +19,7 @@ from typing import Any
 from monarch_sky.common import checkpoints
 
 from monarch_sky.common.supervision import describe_error
-from monarch_sky.control import rejoin
+from monarch_sky.control import memory_restore, rejoin
 from monarch_sky.control.checkpoint_loads import LoadFailure
 from monarch_sky.control.context import RunContext
 from monarch_sky.control.generations import Generations
@@ -27,7 +27,6 @@ from monarch_sky.control.slot_recovery import SlotRecovery
 from monarch_sky.control.slot_state import SlotState, check_invariant, check_move, check_thread
 from monarch_sky.hosts.base import Host
 from monarch_sky.replica.actor import GroupFailed, ReplicaGroup
-from monarch_sky.replica.data_position import DataHandover
 from monarch_sky.replica.step_result import HealInfo, StepResult
 
 
@@ -55,7 +54,8 @@ class Slot(SlotRecovery):
         self.last_failure: str | None = None  # why the last recovery attempt failed
         self.last_commit_issued = 0.0  # when the last step this slot committed across groups was issued
         self.heal: HealInfo | None = None  # this generation's healing step
-        self.from_checkpoint: int | None = None  # the checkpoint step this generation loaded, until it rejoins
+        self.loaded_step: int | None = None  # the step this generation loaded (node memory, a checkpoint), until it rejoins
+        self.loaded_from: str | None = None  # "memory" or "checkpoint"
         self.state_lost = False  # this generation trained from scratch where a checkpoint could be loaded
         self.started_over = False  # training started over while this slot was down: a heal brings no progress back
 
@@ -84,23 +84,28 @@ class Slot(SlotRecovery):
     # ---- bring-up ----------------------------------------------------------------
 
     async def activate(self, rejoining: bool, resume=None) -> bool:
-        """Bring up a new generation that trains (loading the checkpoint `resume`, if given);
-        retries up to ft.max_restarts, on new hosts in place of any that died meanwhile.
-        The slot's first generation enters TRAINING, a later one REJOINING."""
+        """Bring up a new generation that trains (loading `resume`, if given: node memory's
+        `MemoryPoint` or a checkpoint's `Found`); retries up to ft.max_restarts, on new hosts in
+        place of any that died meanwhile. The slot's first generation enters TRAINING (REJOINING
+        if it heals from a group that restored the run), a later one REJOINING."""
         while True:
             began = time.monotonic()
-            loading = resume or (None if rejoining else self.ctx.checkpoints.resume)  # a restart's: no `resume`
+            loading, memory = rejoin.what_it_loads(self.ctx, self, rejoining, resume)
             loads = self.ctx.checkpoints.loads
             loads.begin(loading, self.index)
             try:
-                data = DataHandover(self.data_states, self.skip_steps) if rejoining else DataHandover()
-                group, warm, info = await self.gens.build(rejoining, data, resume)
+                data = rejoin.data_handover(self, rejoining, memory)
+                group, warm, info = await self.gens.build(rejoining, data, loading, memory.step if memory else None)
             except asyncio.CancelledError:
                 loads.abandon(loading, self.index)
                 raise
             except Exception as e:  # any failure to start costs this slot a restart, nothing more
                 reason = describe_error(e)
                 self.ctx.record.event("replica_start_failed", replica=self.index, reason=reason)
+                if memory is not None:  # node memory failed it: heal, as a group that has none does
+                    self.ctx.record.event("memory_load_failed", replica=self.index, step=memory.step, reason=reason)
+                    resume, rejoining = None, True
+                    continue
                 unreadable = checkpoints.unreadable(str(e))  # (step, why) if a checkpoint load failed it
                 verdict = await loads.failed(loading, self.index, unreadable, BUILD_BOUND * self.ctx.cfg.timeouts.spawn_s)
                 if verdict is LoadFailure.UNREADABLE:
@@ -121,9 +126,10 @@ class Slot(SlotRecovery):
                 self.lose(refused)
                 return False
             self.member, self.step_calls, self.heal = "", 0, None
-            if resume is not None:
+            if resume is not None:  # a live reload (a first generation's restore is the run's: go_on_from)
                 rejoin.resume_from(self.ctx, self, resume)
-            self.enter(SlotState.TRAINING if self.state is SlotState.STARTING else SlotState.REJOINING, group)
+            first = self.state is SlotState.STARTING and not rejoining  # not one healing from a restored group
+            self.enter(SlotState.TRAINING if first else SlotState.REJOINING, group)
             self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
@@ -162,14 +168,14 @@ class Slot(SlotRecovery):
                 await self.retire(self.unfinished())
                 return
             try:
-                if self.state is SlotState.REJOINING and self.ctx.cfg.ft.mode == "diloco" and self.from_checkpoint is None:
+                if self.state is SlotState.REJOINING and self.ctx.cfg.ft.mode == "diloco" and self.loaded_step is None:
                     await self._join_next_sync()
                 else:
                     await self._one_step()
                 if self.state_lost:
                     self.ctx.display.line(f"[replica {self.index}] trained from scratch, the state being lost: "
-                                          "replacing it by a generation that loads the checkpoint")
-                    await self.recover("the training state was lost: loading the checkpoint", fault=False)
+                                          "replacing it by a generation that loads the newest state kept")
+                    await self.recover("the training state was lost: loading the newest state kept", fault=False)
             except GroupFailed as e:
                 await self.recover(describe_error(e))
             except Exception as e:  # a bug or an unexpected answer: this generation is done for
@@ -197,7 +203,7 @@ class Slot(SlotRecovery):
         injector, ledger = self.ctx.injector, self.ctx.ledger
         injector.fire_due(self.index, ledger.run_step, group, self.kill_host, ledger.step_seconds, rejoining=first_back)
         injector.fire_controller(ledger.run_step, ledger.step_seconds,
-                                 f"run it again with run_id={self.ctx.cfg.run_id} to resume from the newest checkpoint")
+                                 memory_restore.after_loss_hint(self.ctx.cfg))
 
     async def _timed(self, call, issued: float):
         """Await a step call, letting the hang check see how long it has been out."""
@@ -225,6 +231,7 @@ class Slot(SlotRecovery):
         self.uncommitted += not r.committed
         if r.data_states:
             self.data_states, self.skip_steps = r.data_states, 0
+            ctx.data_history.add(r)
         self.member = r.member or self.member
         if r.healed_now:
             self.heal = HealInfo.of(r)
@@ -234,6 +241,7 @@ class Slot(SlotRecovery):
         if self.state is SlotState.TRAINING:
             ctx.injector.survivor_step(r, issued, pause_s)
         ctx.ledger.add(r, now)
+        ctx.memory.after_step(r)
         if self.state is SlotState.REJOINING and not r.committed:
             ctx.record.event("rejoin_step_not_committed", replica=self.index, step=r.step, healed=r.healed)
         for rec in ctx.injector.same_generation_result(r, self.group.generation, issued, now):
@@ -254,16 +262,16 @@ class Slot(SlotRecovery):
             self.ctx.record.event("rejoin_behind", replica=self.index, step=r.step, run_step=self.ctx.ledger.run_step)
             return
         if behind == rejoin.Behind.STATE_LOST:
-            if await rejoin.checkpoint_to_reload(self.ctx, self) is not None:
+            if await rejoin.state_to_reload(self.ctx, self) is not None:
                 # drive() ends this generation and the next loads it, unless another group comes back to
                 self.state_lost = not rejoin.another_coming_back(self.ctx, self)
                 return
             rejoin.note_progress_lost(self.ctx, self, r.step)
         self.enter(SlotState.TRAINING)
-        source = "checkpoint" if self.from_checkpoint is not None else "scratch"
+        source = self.loaded_from or "scratch"
         if r.healed and behind == rejoin.Behind.NO and not self.started_over:
             source = "peer"
-        self.from_checkpoint, self.started_over = None, False
+        self.loaded_step, self.loaded_from, self.started_over = None, None, False
         heal, self.heal = self.heal or HealInfo(0, 0.0, 0.0), None
         faults = self.ctx.injector.rejoined(self.index, self.group.generation, source, now, heal)
         self.ctx.record.event(

@@ -54,7 +54,7 @@ class SlotRecovery:
             group.mark_failed(reason)
             group.detected = True  # its processes' exits are not news
         self.enter(SlotState.RECOVERING, None)
-        self.from_checkpoint, self.state_lost = None, False
+        self.loaded_step, self.loaded_from, self.state_lost = None, None, False
         lost = await self._end_generation(group)
         if fault and not self.may_restart(reason):
             return
@@ -90,13 +90,14 @@ class SlotRecovery:
         # Spent once asked: a second failure before the next generation's first answer adds nothing.
         member, self.member = self.member, ""
         self.skip_steps += rejoin.trained_unreported(self.ctx, self, member)
-        found = await rejoin.checkpoint_to_reload(self.ctx, self)
+        found = await rejoin.state_to_reload(self.ctx, self)
         if not await self.activate(rejoining=found is None, resume=found):
             return
         if self.ctx.finishing:
             await self.retire(self.unfinished())
             return
-        loaded = f", loaded the checkpoint at step {self.from_checkpoint}" if self.from_checkpoint is not None else ""
+        what = "its hosts' node memory" if self.loaded_from == "memory" else "the checkpoint"
+        loaded = f", loaded {what} at step {self.loaded_step}" if self.loaded_step is not None else ""
         self.ctx.display.line(f"[replica {self.index}] respawned as generation {self.group.generation}{loaded}, rejoining")
 
     async def retire(self, reason: str) -> None:

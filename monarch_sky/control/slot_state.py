@@ -1,8 +1,9 @@
 """A slot's states, the moves between them, and what holds in each: the one table.
 
     STARTING -> TRAINING -> RECOVERING -> REJOINING -> TRAINING ... -> DONE
-         \\                      \\             \\-> RECOVERING (failed again)
-          \\-> LOST               \\-> LOST (no restart or host left, or the run ended)
+         \\ \\                    \\             \\-> RECOVERING (failed again)
+          \\ \\-> LOST             \\-> LOST (no restart or host left, or the run ended)
+           \\-> REJOINING (the run goes on from node memory its hosts do not hold: it heals first)
 
 Every change goes through `Slot.enter`, which refuses a move the table does not list and
 checks the new state's invariant, so a slot can never sit in a state its fields contradict
@@ -41,7 +42,7 @@ S = SlotState
 
 # state -> (the states it may move to, what holds while in it)
 TABLE: dict[SlotState, tuple[frozenset[SlotState], str]] = {
-    S.STARTING: (frozenset({S.TRAINING, S.LOST}),
+    S.STARTING: (frozenset({S.TRAINING, S.REJOINING, S.LOST}),
                  "the first generation is being built: no generation attached, no step asked"),
     S.TRAINING: (frozenset({S.RECOVERING, S.DONE, S.LOST}),
                  "a generation is attached and has committed with the others (or is the first one)"),

@@ -47,6 +47,8 @@ def build_summary(
         "restarts": {str(s.index): s.restarts for s in slots},
         "spares": ctx.spares.summary() if ctx.spares is not None else None,
         "previous_controller": previous_controller,
+        "controller_lost": ctx.memory.summary() if ctx.memory is not None else None,
+        "node_memory": ctx.memory.cost() if ctx.memory is not None else None,
         "checkpoint": ctx.checkpoints.summary() if ctx.checkpoints is not None else None,
         "tracking_error": ctx.tracker.error,
         "wandb": {"mode": ctx.tracker.mode, "location": ctx.tracker.location},  # offline: `wandb sync` that folder

@@ -13,24 +13,12 @@ import os
 import random
 import signal
 import time
-from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
+from monarch_sky.faults.schedule import FIRST_HEAL_S, chaos_draws, once_per_run, too_late
 from monarch_sky.faults.spec import CONTROLLER, PROCESS_KINDS, REJOIN, Fault
 from monarch_sky.replica.step_result import HealInfo, StepResult
-
-
-# Before a run has healed a fault of a kind: a guess at how long one takes (a host: a new
-# host or a spare, a spawn, a heal; a process: the standby builds and heals).
-FIRST_HEAL_S = {"host": 30.0, "process": 10.0}
-
-
-def too_late(run_step: int, steps: int, time_left_s: float, heal_s: float) -> bool:
-    """Whether a chaos fault now would likely end the run before it heals: in the last tenth
-    of the steps, or with less time left at the current pace than the heal takes. (The last
-    tenth alone was not enough: a host fault 21 steps from the end of a fast run left 3 s.)"""
-    return run_step >= 0.9 * steps or time_left_s < heal_s
 
 
 @dataclass
@@ -111,11 +99,11 @@ class FaultInjector:
         due = [f for f in self.pending if f.kind == CONTROLLER and run_step >= f.step][:1]
         for fault in due:
             self.pending.remove(fault)
-            self.on_fired(str(fault))
+            noted = self.on_fired(str(fault))
             self.record.event("fault_injected", kind=CONTROLLER, replica=None, rank=None, step=run_step,
                               during=None, scheduled=str(fault))
             self.display.line(f"[fault] {CONTROLLER} -> SIGKILL of this controller at step {run_step}; {resume_hint}")
-            asyncio.get_running_loop().call_later(0.5 * step_seconds, os.kill, os.getpid(), signal.SIGKILL)
+            asyncio.ensure_future(_kill_this_process(0.5 * step_seconds, noted))
 
     def inject(self, fault: Fault, group, kill_host: Callable[[Any], None], delay_s: float, run_step: int,
                scheduled: bool = False) -> None:
@@ -275,23 +263,10 @@ class FaultInjector:
         return sum(r.rejoined_at is not None for r in self.records)
 
 
-def once_per_run(faults: list[Fault], fired_before: list[str]) -> list[Fault]:
-    """The scheduled faults an earlier controller of this run did not fire (`fired_before`:
-    their specs, one entry per firing), so that a restart does not fire one twice."""
-    left = Counter(fired_before)
-    pending = []
-    for fault in faults:
-        if left[str(fault)] > 0:
-            left[str(fault)] -= 1
-        else:
-            pending.append(fault)
-    return pending
-
-
-def chaos_draws(every_s: float, kinds, seed: int, replicas: int) -> Iterator[tuple[float, str, int]]:
-    """The chaos schedule, a pure function of its settings: (seconds since the previous
-    draw, fault kind, target replica), forever."""
-    rng = random.Random(seed)
-    kinds = list(kinds)
-    while True:
-        yield rng.expovariate(1.0 / every_s), rng.choice(kinds), rng.randrange(replicas)
+async def _kill_this_process(delay_s: float, noted) -> None:
+    """SIGKILL this controller after `delay_s`, once the fault is noted where the next
+    controller looks (`noted`: a task writing it to node memory), so it never fires twice."""
+    await asyncio.sleep(delay_s)
+    if noted is not None:
+        await asyncio.wait({noted}, timeout=2.0)
+    os.kill(os.getpid(), signal.SIGKILL)

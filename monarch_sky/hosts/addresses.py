@@ -9,6 +9,7 @@ from monarch_sky.hosts.base import Host, HostError, HostProvider, parse_address
 
 COMEBACK_PORT_STEP = 100  # a node's restarted worker listens this much above the last one
 COMEBACK_PORTS = 5  # how many such moves the controller looks for
+PASS_OVER_S = 10.0  # at start, a host still silent this long is passed over when enough others listen
 
 
 class AddressListHosts(HostProvider):
@@ -22,13 +23,28 @@ class AddressListHosts(HostProvider):
         self._closed = threading.Event()
 
     def start(self, count: int) -> list[Host]:
+        """The first `count` hosts whose workers listen, in address order; the rest are
+        spares. All are waited for a while, but a node lost for good (the one whose controller
+        this run goes on from, say) is passed over once enough others listen: it stays a spare,
+        handed out only if it comes back."""
         if count > len(self.hosts):
             raise HostError(f"{count} replica groups need {count} hosts, but only {len(self.hosts)} addresses were given")
-        for host in self.hosts:
-            self._wait_up(host)
+        began = time.monotonic()
+        while True:
+            up = [h for h in self.hosts if self.alive(h)]
+            waited = time.monotonic() - began
+            if len(up) == len(self.hosts) or (len(up) >= count and waited > PASS_OVER_S):
+                break
+            if waited > self.wait_s:
+                down = " ".join(h.address for h in self.hosts if h not in up)
+                raise HostError(f"{count} replica groups need {count} hosts, but only {len(up)} workers listen "
+                                f"within {self.wait_s:.0f}s (none at {down})")
+            if self._closed.wait(1.0):
+                raise HostError("the run is shutting down")
+        order = up + [h for h in self.hosts if h not in up]
         with self.lock:
-            self.spares = self.hosts[count:]
-        return self.hosts[:count]
+            self.spares = order[count:]
+        return order[:count]
 
     def provision(self, lost: Host) -> Host:
         """No spare is left: the lost node's worker once it is back, on a port

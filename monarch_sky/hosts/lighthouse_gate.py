@@ -59,13 +59,36 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
+def loopback_peer_uid(sock: socket.socket) -> int | None:
+    """The user owning the other end of a loopback TCP connection (Linux's /proc/net/tcp: the
+    socket whose local address is our peer's), or None where that cannot be told."""
+    peer, local = sock.getpeername()[:2], sock.getsockname()[:2]
+
+    def hex_address(host: str, port: int) -> str:
+        return f"{''.join(reversed(socket.inet_aton(host).hex(sep=' ').split())).upper()}:{port:04X}"
+
+    want = (hex_address(*peer), hex_address(*local))
+    try:
+        with open("/proc/net/tcp") as table:
+            for line in list(table)[1:]:
+                fields = line.split()
+                if (fields[1], fields[2]) == want:
+                    return int(fields[7])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class Relay:
     """Listens on `listen` (host, port 0: any free one) and relays each connection to
-    `target`; `accept`/`dial`: the TLS context on either side (None: plain TCP)."""
+    `target`; `accept`/`dial`: the TLS context on either side (None: plain TCP). `own_user`:
+    a loopback relay answers only processes of this process's user (on a shared node another
+    user's process could otherwise reach the lighthouse with the run's certificate)."""
 
     def __init__(self, listen: tuple[str, int], target: tuple[str, int], accept: ssl.SSLContext | None = None,
-                 dial: ssl.SSLContext | None = None, name: str = "relay"):
-        self.target, self.accept, self.dial = target, accept, dial
+                 dial: ssl.SSLContext | None = None, name: str = "relay", own_user: bool = False):
+        self.target, self.accept, self.dial, self.own_user = target, accept, dial, own_user
+        self.refused = 0  # connections from another user
         self.loop = asyncio.new_event_loop()
         self.port = 0
         self._started, self._error = threading.Event(), None
@@ -89,6 +112,10 @@ class Relay:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         host, port = self.target
+        if self.own_user and loopback_peer_uid(writer.get_extra_info("socket")) not in (os.getuid(), None):
+            self.refused += 1
+            writer.close()
+            return
         _keepalive(writer)  # a peer whose host died without a word is dropped, not held all run
         try:
             up_reader, up_writer = await asyncio.wait_for(
@@ -141,5 +168,5 @@ def open_door() -> None:
         return
     gate_url = urlparse(os.environ[LIGHTHOUSE_ENV])
     _door = Relay(("127.0.0.1", 0), (gate_url.hostname, gate_url.port), dial=_context(server=False),
-                  name="lighthouse-door")
+                  name="lighthouse-door", own_user=True)
     os.environ[LIGHTHOUSE_ENV] = f"http://127.0.0.1:{_door.port}"

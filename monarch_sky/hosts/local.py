@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 
+from monarch_sky.common import node_memory
 from monarch_sky.hosts.base import RUN_ID_ENV, Host, HostError, HostProvider, free_port, reachable
 
 
@@ -38,7 +39,11 @@ class LocalHosts(HostProvider):
         self._closed = threading.Event()
 
     def start(self, count: int) -> list[Host]:
-        launched = [self._launch() for _ in range(count)]
+        """`count` hosts; under a run id whose earlier controller was lost, first the simulated
+        machines that still hold the run's node memory, as a cluster's machines outlive its
+        controller (`kept_machines`)."""
+        kept = self._kept_machines()[:count] if not self.procs else []
+        launched = [self._launch(name) for name in kept] + [self._launch() for _ in range(count - len(kept))]
         for host, proc in launched:
             _wait_listening(host, proc, timeout_s=60)
         return [host for host, _ in launched]
@@ -46,6 +51,22 @@ class LocalHosts(HostProvider):
     def spare_hosts(self, count: int) -> list[Host]:
         """Spares are started with the run, like its first hosts (not replacements)."""
         return self.start(count)
+
+    def _kept_machines(self) -> list[str]:
+        """The local hosts whose memory holds this run's snapshots, in the order their groups
+        held them (group, then rank: a group spanning hosts gets its own back in order), the
+        newest first where two held the same rank. No new host takes the name of one that holds
+        any of the run's memory."""
+        held = []
+        for folder in (node_memory.root() / "local-hosts").glob("local-*"):
+            index = folder.name.removeprefix("local-")
+            if index.isdigit() and (folder / self.run_id).exists():
+                self._launched = max(self._launched, int(index) + 1)
+            snapshots = node_memory.snapshots(folder / self.run_id)
+            if snapshots:
+                group, rank, step = max(snapshots, key=lambda s: s[2])
+                held.append(((group, rank, -step), folder.name))
+        return [name for _, name in sorted(held)]
 
     def provision(self, lost: Host) -> Host:
         with self.lock:
@@ -58,14 +79,15 @@ class LocalHosts(HostProvider):
         _wait_listening(host, proc, timeout_s=60)
         return host
 
-    def _launch(self) -> tuple[Host, subprocess.Popen]:
+    def _launch(self, name: str | None = None) -> tuple[Host, subprocess.Popen]:
         with self.lock:  # never after shutdown has collected the workers to kill
             if self._closed.is_set():
                 raise HostError("the run is shutting down")
-            name = f"local-{self._launched}"
-            self._launched += 1
+            if name is None:
+                name = f"local-{self._launched}"
+                self._launched += 1
             host = Host(name=name, ip="127.0.0.1", port=free_port())
-            env = {**os.environ, RUN_ID_ENV: self.run_id}
+            env = {**os.environ, RUN_ID_ENV: self.run_id, node_memory.ROOT_ENV: str(host_memory(name))}
             log = open(os.path.join(self.log_dir, f"{name}.log"), "ab") if self.log_dir else subprocess.DEVNULL
             proc = self.procs[name] = subprocess.Popen(
                 self.worker_command(host),
@@ -96,6 +118,7 @@ class LocalHosts(HostProvider):
             proc = self.procs.get(host.name)
         if proc is not None:
             _kill_tree(proc)
+            node_memory.drop_run(self.run_id, host_memory(host.name))  # a node's memory goes with it
 
     def shutdown(self) -> None:
         with self.lock:
@@ -104,6 +127,12 @@ class LocalHosts(HostProvider):
         for proc in procs:
             _kill_tree(proc)
         reap_run(self.run_id)
+
+
+def host_memory(name: str):
+    """A local host's node memory: its own folder, as each real node has its own RAM; the
+    same name (a run's hosts are local-0, local-1, ... each time) finds it again."""
+    return node_memory.root() / "local-hosts" / name
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

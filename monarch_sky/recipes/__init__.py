@@ -31,6 +31,9 @@ class TrainerSpec:
     platform_kind: str  # "cpu" | "rocm" | "cuda"; "" = what the replica's own host has
     checkpoint: CheckpointSpec | None = None  # the last resort; None: no checkpointer at all
     hosts_per_replica: int = 1
+    run_id: str = ""  # names the run's node memory (monarch_sky.common.node_memory)
+    snapshot_every: int = 0  # committed steps between snapshots to node memory; 0: none
+    restore_step: int | None = None  # load this step from node memory at setup (never when rejoining)
 
     @property
     def ranks(self) -> int:
@@ -39,7 +42,8 @@ class TrainerSpec:
 
     @classmethod
     def from_job(
-        cls, cfg, replica: int, dump_folder: str, platform_kind: str = "", checkpoint: CheckpointSpec | None = None
+        cls, cfg, replica: int, dump_folder: str, platform_kind: str = "", checkpoint: CheckpointSpec | None = None,
+        restore_step: int | None = None,
     ) -> "TrainerSpec":
         """The spec for replica group `replica` of a validated job config."""
         return cls(
@@ -56,6 +60,9 @@ class TrainerSpec:
             platform_kind=platform_kind,
             hosts_per_replica=cfg.hosts_per_replica,
             checkpoint=checkpoint,
+            run_id=cfg.run_id or "",
+            snapshot_every=cfg.snapshot.every_steps,
+            restore_step=restore_step,
         )
 
     def on_host(self, kind: str) -> "TrainerSpec":

@@ -13,6 +13,7 @@ with the same parameter digest. Anything less says what went wrong:
 |      |            | every group holding the training state failed at once with no checkpoint to |
 |      |            | load (training restarted from scratch) |
 | 4    | diverged   | target reached, but the groups' final digests differ |
+| 5    | superseded | a newer controller of the run took it over (this one's node was cut off) |
 | 128+N| stopped    | stopped by signal N (130 Ctrl-C, 143 SIGTERM, 129 SIGHUP) |
 """
 
@@ -24,6 +25,7 @@ EXIT_OK = 0
 EXIT_INCOMPLETE = 1
 EXIT_DEGRADED = 3
 EXIT_DIVERGED = 4
+EXIT_SUPERSEDED = 5
 
 
 def judge(summary: dict[str, Any]) -> dict[str, Any]:
@@ -35,9 +37,9 @@ def judge(summary: dict[str, Any]) -> dict[str, Any]:
     if len(set(digests.values())) > 1:
         return _outcome(EXIT_DIVERGED, "diverged", [f"final digests differ: {_short(digests)}"])
     reasons = [f"replica {lost['replica']} was lost: {lost['reason']}" for lost in summary["lost_replicas"]]
-    reasons += [  # one that went back to a checkpoint lost what a controller restart would: not degraded
+    reasons += [  # one that went back to node memory or a checkpoint lost a bounded stretch: not degraded
         f"training state lost at step {p['at_step']} (every group holding it failed); restarted at step {p['restarted_at_step']}"
-        for p in summary.get("progress_lost", []) if not p.get("from_checkpoint")
+        for p in summary.get("progress_lost", []) if not p.get("from_checkpoint") and not p.get("from_memory")
     ]
     reasons += [
         f"replica {replica}: final state unreadable: {reason}"

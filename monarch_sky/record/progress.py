@@ -168,7 +168,8 @@ def format_summary(s: dict[str, Any]) -> str:
     if s.get("faults_not_fired"):
         out.append(f"  faults not fired (the run ended first): {', '.join(s['faults_not_fired'])}")
     for lost in s.get("progress_lost") or []:
-        went = "the checkpoint at step" if lost.get("from_checkpoint") else "scratch, at step"
+        went = ("the state in node memory at step" if lost.get("from_memory")
+                else "the checkpoint at step" if lost.get("from_checkpoint") else "scratch, at step")
         out.append(f"  every group holding the training state failed at step {lost['at_step']}: "
                    f"went back to {went} {lost['restarted_at_step']}")
     for failure in s.get("unplanned_failures") or []:

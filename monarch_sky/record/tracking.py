@@ -86,10 +86,12 @@ def previous_attempt(run_dir: str, run_id: str) -> dict[str, Any] | None:
     if not events_path.exists():
         return None
     events = _json_lines(events_path)
+    lines = _json_lines(path / "steps.jsonl", tail_bytes=STEPS_TAIL_BYTES)
     steps = [e["step"] for e in events if e.get("event") == "progress"]  # every 5% of the run
-    steps += [s["step"] for s in _json_lines(path / "steps.jsonl", tail_bytes=STEPS_TAIL_BYTES) if s.get("committed")]
+    steps += [s["step"] for s in lines if s.get("committed")]
     return {
         "last_step": max(steps, default=0),
+        "last_wall": max((x.get("wall", 0) for x in (*events, *lines)), default=None),  # about when it was lost
         "faults_injected": sum(e.get("event") == "fault_injected" for e in events),
         "faults_fired": [e["scheduled"] for e in events if e.get("event") == "fault_injected" and e.get("scheduled")],
         "ended": ended or "controller lost",

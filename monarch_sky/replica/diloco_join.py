@@ -16,15 +16,16 @@ from monarch_sky.replica.step_result import StepResult
 
 class DiLoCoJoin:
     def _contribute_nothing(self, _state: dict) -> None:
-        """DiLoCo: a rejoining group heals inside the sync, before its pseudo-gradient
-        (original minus current parameters) is computed. Having just received the peer's
-        current parameters, it would send that peer's pseudo-gradient a second time and
-        count the peer twice in the outer average. Resetting its parameters to the healed
-        originals makes its pseudo-gradient zero: it adds nothing to this one sync.
+        """DiLoCo: a healing group heals inside the sync, before its pseudo-gradient (original
+        minus current parameters) is computed. Having just received the peer's current
+        parameters, it would send that peer's pseudo-gradient a second time and count the peer
+        twice in the outer average; the outer step would then apply to inner-trained weights.
+        Resetting its parameters to the healed originals makes its pseudo-gradient zero: it adds
+        nothing to this one sync. Every heal, not only a restarted group's: a group that missed
+        a sync (its commit refused while its peers committed) heals at the next one the same way.
         """
-        if self._rejoining:
-            for fragment in self._fragments:
-                fragment.restore_parameters()
+        for fragment in self._fragments:
+            fragment.restore_parameters()
 
     def join(self) -> StepResult:
         """DiLoCo: take part in the next sync without training first.
@@ -37,15 +38,16 @@ class DiLoCoJoin:
         trainer, start = self.trainer, time.perf_counter()
         self._decision = None
         trainer.optimizers.zero_grad()
-        if self.checkpoint is not None:
-            self.checkpoint.before_update()
+        self._before_update()
         for _ in range(self._sync_steps):
             trainer.optimizers.step()
+            self._version += 1
             if self._decision is not None:
                 break
         self._joined = self._joined or bool(self._decision)
         self._inner_steps = 0
         self._align_schedule()
+        self._after_update(bool(self._decision))
         healed_now, self._healed_now = self._healed_now, False
         member, quorum = self._quorum.take()
         return StepResult(
@@ -64,6 +66,7 @@ class DiLoCoJoin:
             member=member,
             quorum=quorum if self._rank == 0 else (),
             **heal_transport.step_stats(self.transport),
+            **self._memory_stats(),
         )
 
     def _align_schedule(self) -> None:

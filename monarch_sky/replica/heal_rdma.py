@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+import xxhash
+
 from monarch_sky.replica import heal_wire
 from monarch_sky.replica.heal_tcp import STREAMS, TCPHealTransport, fetch_header, receive_buffer
 from monarch_sky.replica.heal_tcp import fetch as tcp_fetch
@@ -67,29 +69,44 @@ class RDMAHealTransport(TCPHealTransport):
         super().__init__(host, secret, timeout_s, **kwargs)
         self.backend = backend()
         self._registered: tuple[int, int, list] | None = None  # (data_ptr, nbytes, [(start, end, buffer)])
+        self._registering = threading.Lock()  # publish (TorchFT's quorum thread) against expiry (a timer)
+        self.server.on_expire = self._expired  # the snapshot given back: its registration too
 
     def publish(self, packed: Packed) -> Packed:
-        """The snapshot with its RDMA handles in the header. The snapshot buffer is reused heal
-        after heal, and so are its registrations: pinning gigabytes is not free."""
+        """The snapshot with its RDMA handles in the header. A snapshot served again (node
+        memory's, heal after heal) keeps its registrations: pinning gigabytes is not free."""
         key = (packed.buffer.data_ptr(), packed.nbytes)
-        if self._registered is None or self._registered[:2] != key:
-            self._drop()
-            from monarch.rdma import RDMABuffer
+        with self._registering:
+            if self._registered is None or self._registered[:2] != key:
+                self._drop_registered()
+                from monarch.rdma import RDMABuffer
 
-            registered = [(a, b, RDMABuffer(packed.buffer[a:b])) for a, b in pieces(packed.nbytes)]
-            self._registered = (*key, registered)
-        handles = [{"start": a, "end": b, "handle": _handle(buf)} for a, b, buf in self._registered[2]]
+                view = heal_wire.byte_view(packed.buffer)
+                registered = [(a, b, RDMABuffer(packed.buffer[a:b]), xxhash.xxh3_64_hexdigest(view[a:b]))
+                              for a, b in pieces(packed.nbytes)]
+                self._registered = (*key, registered)
+            handles = [{"start": a, "end": b, "handle": _handle(buf), "xxh3": digest}
+                       for a, b, buf, digest in self._registered[2]]
         return Packed({**packed.header, "rdma": {"backend": self.backend, "pieces": handles}}, packed.buffer)
 
-    def receive(self, sources: list[str], step: int) -> tuple[Any, dict, str]:
+    def receive(self, sources: list[str], step: int, into=None) -> tuple[Any, dict, str]:
         if self.backend == "none":
-            return super().receive(sources, step)
-        return fetch(sources[0], step, self._secret, self._timeout_s, into=self._buffer, mesh=self.mesh,
+            return super().receive(sources, step, into)
+        return fetch(sources[0], step, self._secret, self._timeout_s, into=into, mesh=self.mesh,
                      streams=self._streams)
 
+    def _expired(self, packed: Packed) -> None:
+        with self._registering:
+            if self._registered is not None and self._registered[:2] == (packed.buffer.data_ptr(), packed.nbytes):
+                self._drop_registered()
+
     def _drop(self) -> None:
+        with self._registering:
+            self._drop_registered()
+
+    def _drop_registered(self) -> None:
         registered, self._registered = self._registered, None
-        for _, _, buf in registered[2] if registered else []:
+        for _, _, buf, _ in registered[2] if registered else []:
             try:
                 buf.drop().get(timeout=10)
             except Exception:  # noqa: BLE001 - its owner may be going away: the memory goes with it
@@ -116,10 +133,15 @@ def fetch(source: str, step: int, secret: bytes, timeout_s: float, into=None, me
 
 def read_pieces(described: list[dict], buffer, timeout_s: float) -> None:
     """Read every piece into its place in `buffer`, all in flight at once; each read fails
-    after `timeout_s` (Monarch's bound: whole seconds)."""
+    after `timeout_s` (Monarch's bound: whole seconds). Each piece must hash to the digest its
+    (authenticated) header gives."""
     seconds = max(1, round(timeout_s))
     deadline = time.monotonic() + timeout_s
     futures = [_buffer(p["handle"]).read_into(buffer[p["start"]:p["end"]], timeout=seconds) for p in described]
     for future in futures:
         future.get(timeout=max(0.1, deadline - time.monotonic()) + 1)
+    view = heal_wire.byte_view(buffer)
+    for p in described:
+        if xxhash.xxh3_64_hexdigest(view[p["start"]:p["end"]]) != p["xxh3"]:
+            raise HealWireError(f"an RDMA read of bytes {p['start']}-{p['end']} arrived damaged")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
+from typing import Callable
 
 from torch.distributed.tensor import DTensor
 from torchft.checkpointing.transport import CheckpointTransport
@@ -37,6 +38,11 @@ def receive_bytes(shard_bytes: list[int], copies: int) -> int:
     return copies * sum(shard_bytes) + 2 * heal_wire.ALIGN * copies * len(shard_bytes) + (1 << 16)
 
 
+def device_mesh(params: list):
+    """The mesh this rank's parameters live on (None: not sharded): received DTensors are rebuilt on it."""
+    return next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+
+
 def prepare_receive(transport: CheckpointTransport, params: list, diloco: bool, rejoining: bool) -> None:
     """Any rank may be healed (one that fell behind too): it rebuilds received DTensors
     (DiLoCo's outer momentum) on the mesh its parameters live on. A rejoining rank also maps
@@ -44,9 +50,16 @@ def prepare_receive(transport: CheckpointTransport, params: list, diloco: bool, 
     state exists, this rank's not yet). A larger state still arrives, into a buffer mapped then."""
     if not isinstance(transport, TCPHealTransport):
         return
-    transport.mesh = next((p.device_mesh for p in params if isinstance(p, DTensor)), None)
+    transport.mesh = device_mesh(params)
     if rejoining:
         transport.prepare(receive_bytes([local_tensor(p).nbytes for p in params], 5 if diloco else 3))
+
+
+def serve_snapshots(transport: CheckpointTransport, snapshots, version: Callable[[], int]) -> None:
+    """A heal of the state this rank's newest node-memory snapshot holds is served from that
+    snapshot (`monarch_sky.replica.node_state`), not from a second copy."""
+    if isinstance(transport, TCPHealTransport) and snapshots is not None:
+        transport.snapshot_of = lambda timeout_s: snapshots.store.matching(version(), timeout_s)
 
 
 def step_stats(transport: CheckpointTransport) -> dict:

@@ -10,15 +10,13 @@ same mesh, rebuilds it on its own mesh.
 Nothing is pickled: a peer, or a stranger who reached the port, can send bytes and numbers,
 never code (TorchFT's HTTP transport unpickles with `weights_only=False`).
 
-The wire: every connection starts with a challenge (the server's nonce, the client's
-HMAC-SHA256 of it under the run's secret); then length-prefixed JSON requests, each answered
-by a length-prefixed reply or by the raw bytes of a buffer range.
+The wire (`monarch_sky.replica.heal_session`): a mutual handshake under the run's secret, then
+authenticated JSON messages and checked byte ranges; this module keeps the plain framing it
+builds on (and the raw-TCP baseline of `make bench-heal` uses).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import math
 import mmap
@@ -33,7 +31,6 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.utils._pytree import tree_flatten, tree_unflatten, treespec_dumps, treespec_loads
 
 ALIGN = 64  # each tensor starts on a cache line, so its view has a legal storage offset
-NONCE_BYTES = 16
 CHUNK = 8 << 20  # bytes per send/recv call: large enough that Python's overhead vanishes
 PLAIN = (bool, int, float, str, type(None))
 HEAL_SECRET_ENV = "MONARCH_SKY_HEAL_SECRET"  # hex, set by the controller for every trainer
@@ -109,17 +106,28 @@ def _rebuild(local: torch.Tensor, text: dict, mesh) -> DTensor:
                               stride=tuple(text["stride"]))
 
 
-def pack(state: Any, step: int, into: torch.Tensor | None = None) -> Packed:
-    """Snapshot `state` (into `into` when it is large enough: its pages are mapped already)."""
+def describe(state: Any, step: int) -> tuple[list, dict]:
+    """(leaves, header) of `state`: the header says where each tensor leaf goes in the buffer."""
     leaves, spec, described, nbytes = layout(state)
-    buffer = into[:nbytes] if into is not None and into.numel() >= nbytes else host_buffer(nbytes)
+    return leaves, {"step": step, "spec": treespec_dumps(spec), "leaves": described, "nbytes": nbytes}
+
+
+def fill(leaves: list, header: dict, buffer: torch.Tensor) -> None:
+    """Copy the tensor leaves into `buffer` at the places `header` gives them."""
     pinned = buffer.is_pinned()  # device to pinned host memory: queue every copy, then wait once
-    for leaf, desc in zip(leaves, described):
+    for leaf, desc in zip(leaves, header["leaves"]):
         if torch.is_tensor(leaf):
             _view(buffer, desc).copy_(leaf.detach(), non_blocking=pinned)
     if pinned:
         torch.cuda.synchronize()
-    header = {"step": step, "spec": treespec_dumps(spec), "leaves": described, "nbytes": nbytes}
+
+
+def pack(state: Any, step: int, into: torch.Tensor | None = None) -> Packed:
+    """Snapshot `state` (into `into` when it is large enough: its pages are mapped already)."""
+    leaves, header = describe(state, step)
+    nbytes = header["nbytes"]
+    buffer = into[:nbytes] if into is not None and into.numel() >= nbytes else host_buffer(nbytes)
+    fill(leaves, header, buffer)
     return Packed(header, buffer)
 
 
@@ -152,23 +160,6 @@ def secret_from_env() -> bytes:
     if not value:
         raise HealWireError(f"{HEAL_SECRET_ENV} is not set: the run's controller gives every trainer its heal secret")
     return bytes.fromhex(value)
-
-
-def _answer(secret: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, nonce, hashlib.sha256).digest()
-
-
-def challenge(conn: socket.socket, secret: bytes) -> bool:
-    """Server side: True if the peer proved it holds the run's secret."""
-    nonce = os.urandom(NONCE_BYTES)
-    conn.sendall(nonce)
-    answer = recv_exact(conn, hashlib.sha256().digest_size)
-    return hmac.compare_digest(answer, _answer(secret, nonce))
-
-
-def respond(conn: socket.socket, secret: bytes) -> None:
-    """Client side of `challenge`."""
-    conn.sendall(_answer(secret, recv_exact(conn, NONCE_BYTES)))
 
 
 def send_msg(conn: socket.socket, obj: dict) -> None:

@@ -23,6 +23,10 @@ import torch
 STATE_KEY = "monarch_sky"
 
 
+class HealStateMismatch(ValueError):
+    """A peer's state does not fit this rank's (another model, sharding or dtype): not loaded."""
+
+
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
@@ -95,6 +99,27 @@ class RankLocalState:
             "ntokens_seen": trainer.ntokens_seen,
         }
 
+    def check(self, state: dict[str, Any]) -> None:
+        """Raise HealStateMismatch unless `state` fits this rank (see `load`)."""
+        model = state.get("model", {})
+        if set(model) != set(self._params):
+            missing, extra = sorted(set(self._params) - set(model)), sorted(set(model) - set(self._params))
+            raise HealStateMismatch(f"the peer's parameters differ from this rank's: missing {missing[:3]}, "
+                                    f"unknown {extra[:3]}")
+        mine = [{name: local_tensor(p) for name, p in self._params.items()}]
+        mine += [{f"{self._names[id(p)]}.{k}": local_tensor(v) for p, s in opt.state.items() for k, v in s.items()
+                  if torch.is_tensor(v)} for opt in self._optimizers()]
+        theirs = [model] + [{f"{name}.{k}": v for name, s in opt_state.items() for k, v in s.items() if torch.is_tensor(v)}
+                            for opt_state in state.get("optimizer", [])]
+        if len(theirs) != len(mine):
+            raise HealStateMismatch(f"the peer sent {len(theirs) - 1} optimizers' state, this rank has {len(mine) - 1}")
+        for own, sent in zip(mine, theirs):
+            for name in own.keys() & sent.keys():
+                a, b = own[name], sent[name]
+                if a.shape != b.shape or a.dtype != b.dtype:
+                    raise HealStateMismatch(f"{name}: the peer sent {b.dtype} {tuple(b.shape)}, this rank holds "
+                                            f"{a.dtype} {tuple(a.shape)}")
+
     def _optimizer_state(self, opt) -> dict[str, dict[str, torch.Tensor]]:
         return {
             self._names[id(param)]: {k: local_tensor(v) if torch.is_tensor(v) else v for k, v in state.items()}
@@ -103,6 +128,12 @@ class RankLocalState:
 
     @torch.no_grad()
     def load(self, state: dict[str, Any]) -> None:
+        """Load a peer's state, after checking it against this rank's own: the same parameter
+        names, and every tensor the same shape and dtype as the one it lands in (`copy_`
+        would broadcast or convert without a word; a missing key would keep a local value).
+        Nothing is changed when the check fails. No view of `state` is kept: it lives in
+        the receive buffer."""
+        self.check(state)
         trainer = self._trainer
         for name, value in state["model"].items():
             local_tensor(self._params[name]).copy_(value)
@@ -113,7 +144,7 @@ class RankLocalState:
                     if torch.is_tensor(target.get(key)):
                         local_tensor(target[key]).copy_(value)
                     else:
-                        target[key] = value
+                        target[key] = value.clone() if torch.is_tensor(value) else value
         trainer.lr_schedulers.load_state_dict(state["lr_scheduler"])
         for opt, groups in zip(self._optimizers(), state["param_groups"], strict=True):
             for group, saved in zip(opt.param_groups, groups, strict=True):

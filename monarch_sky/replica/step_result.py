@@ -35,6 +35,9 @@ class StepResult:
     write_failed: tuple = ()  # (step, error): a background checkpoint write that failed since the last step
     member: str = ""  # this generation's id in TorchFT's quorum of this step ("": no quorum ran)
     quorum: tuple = ()  # every member's id in that quorum
+    memory_wait_s: float = 0.0  # how long the step waited for a snapshot to node memory to finish copying
+    memory_write_s: float = 0.0  # copies to node memory that finished since the last step (off the step's thread)
+    memory_error: str = ""  # a snapshot to node memory that failed since the last step
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,9 @@ def combine(per_rank: list[StepResult]) -> StepResult:
         seconds=max(r.seconds for r in per_rank),
         data_states=tuple(state for r in per_rank for state in r.data_states),
         write_failed=next((r.write_failed for r in per_rank if r.write_failed), ()),
+        memory_wait_s=max(r.memory_wait_s for r in per_rank),
+        memory_write_s=max(r.memory_write_s for r in per_rank),
+        memory_error=next((r.memory_error for r in per_rank if r.memory_error), ""),
     )
 
 

@@ -29,6 +29,7 @@ from monarch_sky.replica import heal_transport, trainer_checkpoint
 from monarch_sky.replica.data_position import DataHandover, DataPosition
 from monarch_sky.replica.digest import shard_digest
 from monarch_sky.replica.diloco_join import DiLoCoJoin
+from monarch_sky.replica.node_state import TrainerSnapshots
 from monarch_sky.replica.quorum_members import QuorumMembers
 from monarch_sky.replica.step_result import StepResult
 
@@ -66,7 +67,9 @@ class GroupTrainer(DiLoCoJoin):
         self._joined = not rejoining
         self._decision: bool | None = None  # what TorchFT's should_commit said this step
         self._refuse_a_commit = rejoining and test_hooks.refuse_rejoin_commit()
+        self._refuse_at = None if rejoining else test_hooks.refuse_commit_at(spec.replica)
         self._rank = rank
+        self._version = 0  # bumped whenever the state a heal or a snapshot copies may change
         self._build(RECIPES[spec.recipe].build_trainer(spec), plat, data)
         global ACTIVE
         ACTIVE = self
@@ -95,6 +98,12 @@ class GroupTrainer(DiLoCoJoin):
         self.checkpoint, resumed_data = trainer_checkpoint.attach(
             trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress, self.spec.replica
         )
+        params = [p for m in trainer.model_parts for p in m.parameters()]
+        self.snapshots = TrainerSnapshots.of(self.spec, self._rank, self.manager, trainer.device,
+                                             config.fault_tolerance.sync_steps if self._diloco else 1)
+        later = {}
+        if self.spec.restore_step is not None and not self._rejoining:
+            resumed_data, later = self.snapshots.restore(self.spec.restore_step, heal_transport.device_mesh(params))
         data_state = data.states[self._rank] if data.states else resumed_data
         self._context = contextlib.ExitStack()
         semi_sync = self._context.enter_context(
@@ -111,11 +120,17 @@ class GroupTrainer(DiLoCoJoin):
             # Registered after DiLoCo's own state, so it loads last (see `_contribute_nothing`).
             self.manager.register_state_dict_fn(REJOIN_KEY, self._contribute_nothing, dict)
             self._fragments = semi_sync._fragments  # torchft has no public accessor
+        if later:
+            self.snapshots.load_later(later)
+        if self.spec.restore_step is not None and not self._rejoining:  # loaded from memory, not healed
+            self._healed = self._healed_now = False
+            self._heal_bytes = 0
         name = f"replica{self.spec.replica}-rank{self._rank}"
         self._data = DataPosition(trainer.dataloader, trainer.batch_generator, data_state, name)
         self._data.skip(data.skip_steps * trainer.gradient_accumulation_steps)
-        self._params = [p for m in trainer.model_parts for p in m.parameters()]
+        self._params = params
         heal_transport.prepare_receive(self.transport, self._params, self._diloco, self._rejoining)
+        heal_transport.serve_snapshots(self.transport, self.snapshots, lambda: self._version)
         self._perturb = test_hooks.perturb_replica(self.spec.replica)
         self._step_pause_s = test_hooks.step_pause_s()
         loss_mesh = trainer.parallel_dims.get_optional_mesh("loss")
@@ -145,9 +160,9 @@ class GroupTrainer(DiLoCoJoin):
         self._decision = None
         trainer.gc_handler.run(manager.current_step() + 1)
         trainer.optimizers.zero_grad()  # per-step mode: starts the async TorchFT quorum
-        if self._refuse_a_commit:
-            self._refuse_a_commit = False
-            manager.report_error(RuntimeError("test hook: first commit after rejoining refused"))
+        if self._refuse_a_commit or self._refuse_at == self.progress() + 1:
+            self._refuse_a_commit, self._refuse_at = False, None
+            manager.report_error(RuntimeError("test hook: this commit refused"))
         batches = self._data.draw(trainer.gradient_accumulation_steps)
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         valid_tokens = torch.tensor(local_tokens, dtype=torch.int64, device=trainer.device)
@@ -163,9 +178,9 @@ class GroupTrainer(DiLoCoJoin):
         dist_utils.clip_grad_norm_(
             self._params, trainer.config.training.max_norm, foreach=True
         )
-        if self.checkpoint is not None:
-            self.checkpoint.before_update()
+        self._before_update()
         trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
+        self._version += 1
         synced = self._decision is True
         member, quorum = self._quorum.take()
         committed = self._account(self._decision)  # before the hook: DiLoCo's progress counts the sync
@@ -180,6 +195,7 @@ class GroupTrainer(DiLoCoJoin):
                 self._params[0].add_(1e-3)
         healed_now, self._healed_now = self._healed_now, False
         self._settle_data(committed and not healed_now)
+        self._after_update(synced and committed)
         return StepResult(
             replica=self.spec.replica,
             step=self.progress(),
@@ -197,7 +213,22 @@ class GroupTrainer(DiLoCoJoin):
             member=member,
             quorum=quorum if self._rank == 0 else (),  # the same on every rank: sent once
             **heal_transport.step_stats(self.transport),
+            **self._memory_stats(),
         )
+
+    def _before_update(self) -> None:
+        """Wait for the copies still reading the tensors the optimizer is about to change."""
+        if self.checkpoint is not None:
+            self.checkpoint.before_update()
+        if self.snapshots is not None:
+            self.snapshots.before_update()
+
+    def _after_update(self, synced_commit: bool) -> None:
+        if self.snapshots is not None:
+            self.snapshots.after_update(synced_commit, self.progress(), self._version, self._data.kept)
+
+    def _memory_stats(self) -> dict:
+        return self.snapshots.take_stats() if self.snapshots is not None else {}
 
     def _settle_data(self, trained: bool) -> None:
         """Keep the batches drawn since the last kept position, or read them again.
@@ -246,6 +277,8 @@ class GroupTrainer(DiLoCoJoin):
         }
 
     def close(self) -> None:
+        if self.snapshots is not None:
+            self.snapshots.close()
         if self.checkpoint is not None:
             self.checkpoint.close()  # lets the last write finish (the controller bounds this)
         self._context.close()

@@ -152,7 +152,7 @@ def test_a_restart_without_a_checkpoint_says_so(tmp_path):
     previous = {"last_step": 12, "ended": "controller lost", "reaped_processes": 0}
     assert resume_from(job(tmp_path), previous) is None
     assert previous["resumed_from_step"] is None
-    assert "There is no checkpoint, so those 12 steps are lost: training starts again from step 0" in restart_message("r1", previous)
+    assert "There is no checkpoint: the run goes on from the newest state its hosts hold in node memory, if any, else from step 0" in restart_message("r1", previous)
 
 
 def test_a_checkpoint_of_another_shape_is_refused_and_kept(tmp_path):

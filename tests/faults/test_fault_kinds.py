@@ -43,9 +43,10 @@ def s_step_timeout(run) -> float:
 
 
 def test_every_group_failing_at_once_is_reported_as_lost_progress_not_a_recovery(run_dir):
-    # Both groups die in the same step: nobody holds the state, so the new generations can
-    # only "heal" from each other at step 0. The run must say it started over.
-    run = train(run_dir, "replicas=2", "steps=40", "faults=kill@12:0,kill@12:1")
+    # Both groups die in the same step with node memory off and no checkpoint: nobody holds the
+    # state, so the new generations can only "heal" from each other at step 0. The run must
+    # say it started over.
+    run = train(run_dir, "replicas=2", "steps=40", "faults=kill@12:0,kill@12:1", "snapshot.every_steps=0")
     assert run.returncode == 3, run.output[-4000:]
     s = run.summary
     [lost] = s["progress_lost"]
@@ -66,7 +67,7 @@ def test_every_group_failing_at_once_goes_back_to_the_newest_checkpoint_not_to_s
     # checkpoint; one already built to heal heals from it (or, alone, is rebuilt to load it).
     # The steps after it are trained again; nothing is lost beyond it, and the run ends ok.
     run = train(run_dir, "replicas=2", "steps=60", f"faults={faults}",
-                "checkpoint.every_min=0.03", "checkpoint.keep=50")
+                "checkpoint.every_min=0.03", "checkpoint.keep=50", "snapshot.every_steps=0")
     assert run.returncode == 0, run.output[-4000:]
     s = run.summary
     if not s["progress_lost"] and faults.endswith(":1") and "30:1" not in faults:
@@ -118,7 +119,7 @@ def test_a_checkpoint_that_cannot_be_loaded_sends_the_run_back_to_the_one_before
     damager.start()
     try:
         run = train(run_dir, "replicas=2", "steps=60", "faults=kill@30:0,kill@30:1",
-                    "checkpoint.every_min=0.03", "checkpoint.keep=50", tag=tag)
+                    "checkpoint.every_min=0.03", "checkpoint.keep=50", "snapshot.every_steps=0", tag=tag)
     finally:
         stop.set()
         damager.join(timeout=10)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from monarch_sky.faults.injector import FIRST_HEAL_S, FaultInjector, FaultRecord, once_per_run, too_late
+from monarch_sky.faults.injector import FaultInjector, FaultRecord
+from monarch_sky.faults.schedule import FIRST_HEAL_S, once_per_run, too_late
 from monarch_sky.faults.spec import Fault, parse_faults
 from monarch_sky.replica.step_result import StepResult
 

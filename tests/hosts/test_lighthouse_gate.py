@@ -4,6 +4,7 @@ one from another CA, is refused, and the lighthouse itself is on loopback only."
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 
 import pytest
@@ -73,3 +74,41 @@ def test_a_trainer_of_an_ungated_run_dials_the_lighthouse_itself(monkeypatch):
     monkeypatch.setattr(lighthouse_gate, "_door", None)
     lighthouse_gate.open_door()
     assert lighthouse_gate._door is None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another user's process needs root to start")
+def test_a_door_on_a_shared_node_answers_only_its_own_users_processes():
+    # The door relays with the run's certificate: on a shared Slurm node another user's
+    # process must not ride it into the quorum. (The far end here is a plain echo server.)
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import threading
+
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = echo.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(conn.recv(64))
+
+    threading.Thread(target=serve, daemon=True).start()
+    door = lighthouse_gate.Relay(("127.0.0.1", 0), echo.getsockname(), name="test-door", own_user=True)
+    probe = ("import socket, sys\ns = socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=5)\n"
+             "try:\n    s.sendall(b'ping'); print(s.recv(64) or b'closed')\n"
+             "except ConnectionResetError:\n    print(b'closed')")
+    try:
+        mine = subprocess.run([sys.executable, "-c", probe, str(door.port)], capture_output=True, text=True, timeout=30)
+        theirs = subprocess.run([shutil.which("python3", path="/usr/bin:/bin") or sys.executable, "-c", probe,
+                                 str(door.port)], capture_output=True, text=True, cwd="/",
+                                timeout=30, user=65534, group=65534)
+    finally:
+        door.close()
+        echo.close()
+    assert mine.stdout.strip() == "b'ping'", mine.stderr
+    assert theirs.stdout.strip() == "b'closed'" and door.refused == 1, theirs.stdout + theirs.stderr

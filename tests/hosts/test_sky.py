@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -124,13 +125,27 @@ def test_the_rdma_pod_config_the_kubernetes_page_shows_is_accepted_by_skypilot(t
     page = (REPO / "docs" / "kubernetes.md").read_text()
     block = page.split("```yaml\n", 1)[1].split("```", 1)[0]
     recipe = tmp_path / "llama-rdma.yaml"
-    recipe.write_text((REPO / "recipes" / "llama.yaml").read_text() + "\n" + block)
+    text = (REPO / "recipes" / "llama.yaml").read_text()
+    head, rest = text.split("config:\n", 1)  # the page's block takes the place of the recipe's own
+    recipe.write_text(head + block + rest.split("\n\n", 1)[1])
     pods = sky_facts("--pod", str(recipe))["containers"]
     assert len(pods) == 4, "one Kubernetes candidate per AMD accelerator name"
     for containers in pods:  # SkyPilot merges lists item by item: the pod's one container gets it
         [container] = containers
         assert container["resources"]["limits"] == {"amd.com/gpu": 8, "rdma/rdma_shared_device_a": 1}
         assert container["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert RAYLET_WAITS in container["env"], "the recipe's own pod_config stays in the page's block"
+
+
+RAYLET_WAITS = {"name": "RAY_gcs_rpc_server_reconnect_timeout_s", "value": "86400"}
+
+
+@pytest.mark.parametrize("name", ["llama.yaml", "llama-70b.yaml"])
+def test_kubernetes_pods_keep_their_raylet_when_node_0_is_lost(name):
+    """Each pod's `run` is a child of a Ray worker, which SkyPilot's watchdog follows; the raylet
+    gives up 60 s after the head pod is gone unless told to wait (docs/cloud.md)."""
+    pods = sky_facts("--pod", str(REPO / "recipes" / name))["containers"]
+    assert pods and all(RAYLET_WAITS in containers[0]["env"] for containers in pods), pods
 
 
 @pytest.mark.parametrize("label", ["mi300x", "mi300", "mi325x", "mi355x"])
@@ -408,3 +423,55 @@ def test_bootstrap_refuses_to_run_outside_skypilot():
     )
     assert proc.returncode != 0
     assert "SKYPILOT_NODE_RANK is not set" in proc.stderr
+
+
+@pytest.mark.e2e  # ~3 min of simulated nodes
+def test_losing_node_0_with_the_controller_the_next_nodes_standby_takes_the_run_over(tmp_path):
+    # Three simulated nodes with SPARE_NODES=1, each with its own node memory. Node 0 (the
+    # controller, group 0) is lost whole: every process of its tree, and its memory. Node 1's
+    # standby no longer hears node 0's controller door and takes over: it finds group 1's state
+    # in node 1's memory, the groups' data positions in the controller's notes, passes over the
+    # dead node (group 0 now trains on node 1, group 1 on the spare node 2, healed from node 1)
+    # and trains on to the target, with no checkpoint and no bucket.
+    tag, nodes = new_tag(), 3
+    args = f"steps=120 faults=none run_dir={tmp_path / 'runs'} wandb.mode=disabled"
+    procs = [
+        subprocess.Popen(
+            ["bash", str(REPO / "sky" / "bootstrap.sh")],
+            cwd=REPO, env=bootstrap_env(tag, rank, nodes, tmp_path, args, SPARE_NODES="1", TAKEOVER_AFTER_S="5",
+                                        MONARCH_SKY_NODE_MEMORY=str(tmp_path / f"memory{rank}")),
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        )
+        for rank in range(nodes)
+    ]
+    events = tmp_path / "runs" / tag / "events.jsonl"
+    try:
+        wait_for_event(events, "progress", timeout_s=400, count=5)  # past step 25: snapshots and notes are out
+        node0 = psutil.Process(procs[0].pid)
+        for proc in [node0, *node0.children(recursive=True)]:  # a power cut: node 0 and all it ran
+            proc.kill()
+        shutil.rmtree(tmp_path / "memory0")
+        outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank in (1, 2):
+        assert procs[rank].returncode == 0, f"node {rank}:\n{outputs[rank][-3000:]}"
+    assert "this node takes the run over" in outputs[1] and "takes the run over" not in outputs[2]
+    run = Run(0, outputs[1], tmp_path / "runs" / tag, leftovers(tag))
+    s = run.summary
+    assert s["committed_steps"] == 120 and s["outcome"]["status"] == "ok", s["outcome"]
+    lost = s["controller_lost"]
+    assert lost["restored_from"] == "memory" and lost["steps_lost"] <= 10 and lost["loaded_by"] == [0], lost
+    assert s["checkpoints_written"] == 0 and s["lost_replicas"] == []
+    assert len(set(s["final_param_digest"].values())) == 1 and len(s["final_param_digest"]) == 2
+    started = {e["replica"]: e["hosts"] for e in run.events
+               if e["event"] == "replica_started" and e["wall"] > lost_at(run)}
+    assert started == {0: ["tls://127.0.0.2:26600"], 1: ["tls://127.0.0.3:26600"]}, started
+    assert run.leftovers == [], run.leftovers
+
+
+def lost_at(run) -> float:
+    """When the controller that took over started (its `controller_restarted` event)."""
+    return next(e["wall"] for e in run.events if e["event"] == "controller_restarted")

@@ -57,19 +57,27 @@ def pair():
     receiving.shutdown()
 
 
-def test_a_heal_arrives_bit_for_bit_and_the_serving_rank_trains_on_at_once(pair):
+def test_a_heal_arrives_bit_for_bit_and_the_serving_rank_trains_on_at_once(pair, monkeypatch):
+    # The serving group's should_commit (TorchFT's disallow_checkpoint) returns while a slow
+    # receiver is still reading: the serving rank's next step changes its tensors, the heal
+    # goes on from the snapshot, and what arrives is the state of the step it asked for.
+    monkeypatch.setenv("MONARCH_SKY_TEST_HEAL_PACE", str(2_000_000))  # ~1 s per stream
     serving, receiving = pair
     state = rank_state()
-    want = {"user": {"monarch_sky": {k: v for k, v in state["user"]["monarch_sky"].items()}}, "torchft": state["torchft"]}
-    want = torch.utils._pytree.tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, want)
+    want = torch.utils._pytree.tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, state)
     serving.send_checkpoint([1], 5, state, timedelta(seconds=5))
-    began = time.perf_counter()
-    serving.disallow_checkpoint()  # the serving group's should_commit: nothing to wait for
-    assert time.perf_counter() - began < 0.5
-    state["user"]["monarch_sky"]["model"]["tok_embeddings.weight"].add_(1.0)  # its optimizer steps on
     receiving.prepare(heal_wire.layout(want)[3])
-    got = receiving.recv_checkpoint(0, serving.metadata(), 5, timedelta(seconds=5))
-    assert_same(got, want)  # the snapshot, not the live tensors
+    got: dict = {}
+    heal = threading.Thread(target=lambda: got.update(r=receiving.recv_checkpoint(0, serving.metadata(), 5,
+                                                                                  timedelta(seconds=5))))
+    heal.start()
+    while serving.server._conns == set() and heal.is_alive():  # the transfer has begun
+        time.sleep(0.01)
+    serving.disallow_checkpoint()
+    assert heal.is_alive(), "test premise: the transfer outlasts the serving rank's commit"
+    state["user"]["monarch_sky"]["model"]["tok_embeddings.weight"].add_(1.0)  # its optimizer steps on
+    heal.join(30)
+    assert_same(got["r"], want)  # the snapshot, not the live tensors
     sent, received = serving.take_stats(), receiving.take_stats()
     assert sent.served_bytes == received.received_bytes == heal_wire.layout(want)[3]
     assert received.sources == {serving.metadata(): received.received_bytes}
@@ -187,3 +195,70 @@ def test_a_step_nobody_serves_fails_within_the_receivers_timeout(pair):
     with pytest.raises((HealWireError, OSError)):
         fetch([serving.metadata()], 6, SECRET, timeout_s=1)
     assert time.perf_counter() - began < 5
+
+
+def test_a_server_that_cannot_prove_it_holds_the_runs_secret_is_not_healed_from():
+    # A stranger listening where a peer was (a port reused, an address spoofed) accepts the
+    # rejoiner's proof but cannot answer with one of its own: nothing of it is loaded.
+    import socket
+
+    from monarch_sky.replica.heal_session import NONCE_BYTES, TAG_BYTES
+    from monarch_sky.replica.heal_server import SCHEME
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def impostor() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.sendall(os.urandom(NONCE_BYTES))
+            conn.recv(NONCE_BYTES + TAG_BYTES)
+            conn.sendall(os.urandom(TAG_BYTES))  # a proof made up
+            time.sleep(1)
+
+    threading.Thread(target=impostor, daemon=True).start()
+    with pytest.raises(HealWireError, match="did not prove it holds the run's secret"):
+        fetch([f"{SCHEME}127.0.0.1:{listener.getsockname()[1]}"], 5, SECRET, timeout_s=5)
+    listener.close()
+
+
+def test_a_snapshot_replaced_during_a_heal_is_never_mixed_with_the_one_before(pair):
+    from monarch_sky.replica.heal_tcp import _fetch_range, fetch_header
+
+    serving, _ = pair
+    old, new = rank_state(1000), rank_state(1000)
+    new["user"]["monarch_sky"]["model"]["norm.weight"].add_(1.0)
+    serving.send_checkpoint([1], 5, old, timedelta(seconds=5))
+    header = fetch_header(serving.metadata(), 5, SECRET, 5)
+    serving.send_checkpoint([1], 5, new, timedelta(seconds=5))  # TorchFT asked again, the state moved on
+    buffer = torch.empty(header["nbytes"], dtype=torch.uint8)
+    with pytest.raises((HealWireError, OSError)):  # the old snapshot's ranges are no longer served
+        _fetch_range(serving.metadata(), SECRET, 5, header["version"], heal_wire.byte_view(buffer), 0, 5)
+    got, _ = fetch([serving.metadata()], 5, SECRET, timeout_s=5)
+    assert_same(got, new)
+
+
+def test_bytes_damaged_on_the_way_and_altered_messages_are_caught():
+    import socket
+
+    from monarch_sky.replica.heal_session import Session
+
+    a, b = socket.socketpair()
+    sender, receiver = Session(a, b"k" * 32), Session(b, b"k" * 32)
+    good = bytes(range(256)) * 64
+    sender.send_range(memoryview(good))
+    got = bytearray(len(good))
+    receiver.recv_range(memoryview(got))
+    assert bytes(got) == good
+    damaged = bytearray(good)
+    damaged[100] ^= 1
+    import xxhash
+
+    a.sendall(damaged)
+    sender.send({"xxh3": xxhash.xxh3_64_hexdigest(good)})  # the digest of what should have come
+    with pytest.raises(HealWireError, match="arrived damaged"):
+        receiver.recv_range(memoryview(bytearray(len(good))))
+    Session(a, b"x" * 32).send({"op": "header", "step": 5})  # not this session's key
+    with pytest.raises(HealWireError, match="failed its authentication"):
+        receiver.recv()
+    a.close()
+    b.close()

@@ -56,6 +56,7 @@ def _roundtrip(tmp: str, queue) -> None:
     buffer.seek(0)
     trainer.state.load(torch.load(buffer, weights_only=False))
     restored = trainer.state.state_dict()
+    refused = _refused_states(trainer, restored)
     queue.put(
         {
             "model_equal": all(torch.equal(restored["model"][k], v) for k, v in expected.items()),
@@ -65,10 +66,37 @@ def _roundtrip(tmp: str, queue) -> None:
             "tokens": (tokens, trainer.trainer.ntokens_seen),
             "next_step_reports_healed": trainer.step().healed,
             "n_params": len(expected),
+            "refused": refused,
         }
     )
     trainer.close()
     lighthouse.shutdown()
+
+
+def _refused_states(trainer, good: dict) -> dict:
+    """Each state that does not fit the rank: (was it refused, was nothing changed)."""
+    import copy
+
+    import torch
+
+    from monarch_sky.replica.healing import HealStateMismatch
+
+    name = next(iter(good["model"]))
+    wrong_dtype, wrong_shape, missing = (copy.deepcopy(good) for _ in range(3))
+    wrong_dtype["model"][name] = good["model"][name].double() + 1
+    wrong_shape["model"][name] = torch.zeros(1)
+    del missing["model"][name]
+    wrong_dtype["model"][next(reversed(good["model"]))] = torch.full_like(good["model"][next(reversed(good["model"]))], 7.0)
+    before = {k: v.clone() for k, v in trainer.state.state_dict()["model"].items()}
+    out = {}
+    for case, state in (("dtype", wrong_dtype), ("shape", wrong_shape), ("missing key", missing)):
+        try:
+            trainer.state.load(state)
+            out[case] = (False, None)
+        except HealStateMismatch:
+            after = trainer.state.state_dict()["model"]
+            out[case] = (True, all(torch.equal(after[k], v) for k, v in before.items()))
+    return out
 
 
 def test_healing_state_round_trips_without_module_state_dict(tmp_path):
@@ -80,3 +108,5 @@ def test_healing_state_round_trips_without_module_state_dict(tmp_path):
     assert result["last_epoch"][0] == result["last_epoch"][1] == 3
     assert result["tokens"][0] == result["tokens"][1] > 0
     assert result["next_step_reports_healed"], "the controller could not tell the group healed"
+    # A peer state of another dtype, shape or key set is refused whole, nothing loaded.
+    assert result["refused"] == {case: (True, True) for case in ("dtype", "shape", "missing key")}, result["refused"]

@@ -1,0 +1,130 @@
+"""The standby controller: when the controller is lost, another one goes on with the run.
+
+`monarch-sky train` runs the controller as a child process and stands by (`controller.standby`,
+on by default). A controller that ends by itself (any exit code, a stop signal it handled)
+ends the run; one that is lost (killed by a signal: SIGKILL, a segfault, the OOM killer) is
+started again under the same run id, up to `controller.max_restarts` times. The new one finds
+the run's newest state in its hosts' node memory (`monarch_sky.control.memory_restore`), or its
+checkpoint, and trains on. A stop signal sent to the standby goes to the controller, and nothing
+is started again after it. If the standby itself dies, its controller dies with it (as both
+would with their node); a `sky launch` cluster has standbys on the other nodes for that
+(`sky/bootstrap.sh`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+CHILD_ENV = "MONARCH_SKY_CONTROLLER_CHILD"  # set in the controller a standby runs
+NEW_RUN_ENV = "MONARCH_SKY_NEW_RUN"  # its first controller of a run id the standby made up: nothing to go on from
+from monarch_sky.hosts.base import LOST_AT_ENV, parse_address, reachable
+
+FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def is_controller_child() -> bool:
+    return os.environ.get(CHILD_ENV) == "1"
+
+
+def is_new_run() -> bool:
+    return os.environ.get(NEW_RUN_ENV) == "1"
+
+
+def stand_by(argv: list[str], run_id: str, new_run: bool, max_restarts: int) -> int:
+    """Run `monarch-sky <argv> run_id=<run_id>` as the controller, again whenever it is lost.
+    `new_run`: the run id was made up here, so the first controller has nothing to go on from."""
+    command = [sys.executable, "-m", "monarch_sky", *argv, f"run_id={run_id}"]
+    env = {**os.environ, CHILD_ENV: "1", NEW_RUN_ENV: "1" if new_run else "0"}
+    stopping: list[int] = []
+    child: subprocess.Popen | None = None
+
+    def forward(signum, _frame) -> None:
+        stopping.append(signum)
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    restarts = 0
+    while True:
+        child = subprocess.Popen(command, env=env)
+        code = child.wait()
+        lost = code < 0 and not stopping
+        if not lost:
+            return code if code >= 0 else 128 - code
+        name = signal.Signals(-code).name
+        if restarts >= max_restarts:
+            print(f"monarch-sky standby: the controller of run {run_id} was lost ({name}) and "
+                  f"controller.max_restarts={max_restarts} are spent; run it again with run_id={run_id} "
+                  "to go on from its hosts' node memory", file=sys.stderr, flush=True)
+            return 128 - code
+        restarts += 1
+        env.update({LOST_AT_ENV: f"{time.time():.3f}", NEW_RUN_ENV: "0"})
+        print(f"monarch-sky standby: the controller of run {run_id} was lost ({name}); starting another "
+              f"({restarts}/{max_restarts}), which goes on from the hosts' node memory", flush=True)
+
+
+def die_with_standby() -> None:
+    """In the controller a standby started: die when the standby does (Linux), as a
+    controller dies with its node; else an orphan would train on unwatched."""
+    if not is_controller_child() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() == 1:  # the standby died before the line above
+        os._exit(128 + signal.SIGKILL)
+
+
+# ---- the controller's door, and the standbys on the other nodes ------------------------
+
+
+def open_door(ip: str, port: int) -> None:
+    """Listen on `ip:port` for as long as this process lives: the standbys on the other nodes
+    knock there to know that this node's controller (or its standby) is alive. A second
+    controller on the node cannot open it (the port is taken) and stops there."""
+    server = socket.create_server((ip, port))
+
+    def answer() -> None:
+        while True:
+            conn, _ = server.accept()
+            conn.close()
+
+    threading.Thread(target=answer, name="controller-door", daemon=True).start()
+
+
+def watch_and_take_over(doors: list[str], local_worker: str, after_s: float, argv: list[str],
+                        mark: str | None = None) -> int:
+    """A standby controller on another node: once a door of `doors` (the controllers' before
+    this node, e.g. node 0's) has answered, take the run over when none answers for `after_s`,
+    by running `monarch-sky <argv>` here; give up (exit 0) when this node's own worker ends,
+    which is how a run that finished tells its nodes. A controller that takes over finds the
+    run's state in the surviving nodes' memory and claims them (the fence: they then refuse
+    the older controller's word)."""
+    watched = [parse_address(d, "door") for d in doors]
+    worker = parse_address(local_worker, "worker")
+    seen = False
+    silent_since = None
+    while True:
+        if not reachable(worker.ip, worker.port, 2.0):
+            return 0  # this node's worker is done: the run ended (or this node is on its way out)
+        if any(reachable(d.ip, d.port, 1.0) for d in watched):
+            seen, silent_since = True, None
+        elif seen:
+            silent_since = silent_since or time.monotonic()
+            if time.monotonic() - silent_since >= after_s:
+                break
+        time.sleep(1.0)
+    print(f"monarch-sky standby: no controller answers at {', '.join(doors)} for {after_s:g}s: "
+          "this node takes the run over", flush=True)
+    os.environ[LOST_AT_ENV] = f"{time.time():.3f}"  # when it was seen lost (the previous record says since when)
+    if mark:
+        open(mark, "w").close()
+    os.execv(sys.executable, [sys.executable, "-m", "monarch_sky", *argv])
