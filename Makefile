@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test e2e chaos soak bench bench-heal bench-scale bench-scale-groups bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
+.PHONY: train test e2e chaos soak bench bench-heal bench-controller bench-scale bench-scale-groups bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
 
 # torch first and pinned, so nothing after it can pull another build. With no GPU here, the CPU
 # wheel from PyTorch's CPU index (the default index has the multi-GB CUDA one); where that index
@@ -65,6 +65,12 @@ bench: $(STAMP)
 # 0.25, 1 and 4 GB per rank: runs/bench-heal/bench-heal.json and heal.png. ARGS="--gb 0.25,1"
 bench-heal: $(STAMP)
 	$(PY) -m monarch_sky.bench.heal $(ARGS)
+
+# Node memory: what its snapshots cost a fault-free step (snapshot.every_steps 0, 10, 1), and the
+# controller lost three ways (node memory, monarch-sky's checkpoint, TorchTitan's checkpoint under
+# torchrun): seconds to training again and steps lost; 3 rounds, ~20 min. ARGS="--rounds 1"
+bench-controller: $(STAMP)
+	$(PY) -m monarch_sky.bench.controller_loss $(ARGS)
 
 # TorchFT's quorum, regroup and admission cost for 2-1024 simulated replica groups against a
 # real lighthouse (monarch_sky/bench/scale.py; runs/bench-scale/scale.json and scale.png).
