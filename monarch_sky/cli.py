@@ -102,7 +102,8 @@ def _parser(command: str | None) -> Parser:
     standby.add_argument("--watch", required=True, help="comma-separated IP:PORT of the controller doors to watch "
                          "(hosts.controller_port on the nodes before this one)")
     standby.add_argument("--local-worker", required=True, help="this node's worker, IP:PORT: when it ends, the run did")
-    standby.add_argument("--after-s", type=float, default=10.0, help="seconds of silence at every door before taking over")
+    standby.add_argument("--after-s", type=float, default=10.0, help="seconds of silence at every door before taking over, "
+                         "times the number of doors (the nodes before this one take over first)")
     standby.add_argument("--mark", default=None, help="a file to create on taking over (the bootstrap reads it)")
     standby.add_argument("train", nargs=argparse.REMAINDER, help="the train command to run on taking over: train KEY=VALUE ...")
 

@@ -103,11 +103,14 @@ def open_door(ip: str, port: int) -> None:
 def watch_and_take_over(doors: list[str], local_worker: str, after_s: float, argv: list[str],
                         mark: str | None = None) -> int:
     """A standby controller on another node: once a door of `doors` (the controllers' before
-    this node, e.g. node 0's) has answered, take the run over when none answers for `after_s`,
-    by running `monarch-sky <argv>` here; give up (exit 0) when this node's own worker ends,
-    which is how a run that finished tells its nodes. A controller that takes over finds the
-    run's state in the surviving nodes' memory and claims them (the fence: they then refuse
-    the older controller's word)."""
+    this node, e.g. node 0's) has answered, take the run over when none answers for `after_s`
+    times the number of doors, by running `monarch-sky <argv>` here; give up (exit 0) when this
+    node's own worker ends, which is how a run that finished tells its nodes. The wait grows
+    with the node's place in line, so the first node after the lost one takes over and opens its
+    own door before the next one's wait runs out. A controller that takes over finds the run's
+    state in the surviving nodes' memory and claims them (the fence: they then refuse the older
+    controller's word)."""
+    after_s *= max(1, len(doors))
     watched = [parse_address(d, "door") for d in doors]
     worker = parse_address(local_worker, "worker")
     seen = False

@@ -27,6 +27,8 @@ from monarch_sky.common import node_memory
 from monarch_sky.common.supervision import resolved
 from monarch_sky.hosts.base import REFUSED, UP
 
+PROC_MAIN = "monarch._src.actor.bootstrap_main"  # the module a Monarch proc runs
+
 
 class HostAgent(Actor):
     """Lives on a host beside its replica groups; reports and ends their processes."""
@@ -47,15 +49,16 @@ class HostAgent(Actor):
 
     @endpoint
     def reap_others(self) -> int:
-        """Kill what an earlier controller left on this host: every process its worker started
-        but this agent (with their children). Monarch stops such orphans only a minute later,
-        and meanwhile they would hold the accelerators a new generation needs."""
+        """Kill what an earlier controller left on this host: every proc its worker spawned but
+        this agent (with their children). Monarch stops such orphans only a minute later, and
+        meanwhile they would hold the accelerators a new generation needs. Only Monarch's procs:
+        the worker's other children (its log pipe on a node) are the node's."""
         import psutil
 
         me = psutil.Process()
         worker = me.parent()
-        others = [p for child in (worker.children() if worker else []) if child.pid != me.pid
-                  for p in (child, *child.children(recursive=True))]
+        procs = [c for c in (worker.children() if worker else []) if c.pid != me.pid and _is_proc(c)]
+        others = [p for child in procs for p in (child, *child.children(recursive=True))]
         for proc in others:
             try:
                 proc.kill()
@@ -91,6 +94,14 @@ class HostAgent(Actor):
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _is_proc(process) -> bool:
+    """Whether `process` is a Monarch proc (what a worker spawns for a controller's meshes)."""
+    try:
+        return PROC_MAIN in process.cmdline()
+    except Exception:  # noqa: BLE001 - gone meanwhile, or not ours to read
+        return False
 
 
 async def start_host_agent(host_mesh, name: str, timeout_s: float):
