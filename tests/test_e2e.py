@@ -115,10 +115,13 @@ def test_diloco_rejoiner_waits_for_a_sync_further_away_than_the_quorum_timeout(r
 
 @pytest.mark.e2e
 def test_a_diloco_group_that_misses_a_sync_without_a_restart_heals_to_the_same_weights(run_dir):
-    # Replica 1's sync at step 15 fails (an error inside the group) while replica 0 commits it:
-    # replica 1 falls behind without a restart and heals at the sync at step 20 from replica 0,
-    # whose state holds inner-trained weights. Unless the healed group goes back to the healed
-    # originals, TorchFT's outer step lands on inner-trained weights and the groups diverge.
+    # Replica 1's commit of the sync at step 15 is refused after the sync's all-reduce, while
+    # replica 0 commits it: replica 1 falls behind without a restart, trains its interval again
+    # and heals at the sync at step 20 from replica 0, whose state holds inner-trained weights
+    # and the originals of step 15. It must end with replica 0's weights. (Checked: it does
+    # with and without resetting to the healed originals, since the outer step applies to the
+    # originals; the reset keeps its pseudo-gradient at zero, as a rejoiner's, instead of a copy
+    # of replica 0's counted twice in the outer average.)
     from monarch_sky.common.test_hooks import REFUSE_COMMIT_ENV
 
     run = train(run_dir, "replicas=2", "procs_per_replica=1", "steps=40", "ft.mode=diloco", "ft.sync_steps=5",

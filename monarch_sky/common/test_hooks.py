@@ -70,12 +70,22 @@ def leak_a_process(replica: int, rank: int) -> None:
         subprocess.Popen(["sleep", "600"], start_new_session=True)
 
 
-def refuse_commit_at(replica: int) -> int | None:
-    """`REPLICA:STEP`: that replica's first generation fails the step that would reach STEP
-    (an error reported to TorchFT, as a failed collective would), while its peers commit it:
-    the group falls behind without a restart (in DiLoCo, a missed sync)."""
+def refuse_commit_at(replica: int, manager, progress: Callable[[], int]) -> None:
+    """`REPLICA:STEP`: that replica's first generation fails the commit that would reach STEP,
+    once its step's collectives are done (an error reported to TorchFT at `should_commit`), so
+    its peers commit it: the group falls behind without a restart (in DiLoCo, a missed sync)."""
     wanted, _, step = os.environ.get(REFUSE_COMMIT_ENV, "").partition(":")
-    return int(step) if wanted == str(replica) and step.isdigit() else None
+    if wanted != str(replica) or not step.isdigit():
+        return
+    decide, pending = manager.should_commit, [int(step)]
+
+    def should_commit(*args, **kwargs) -> bool:
+        if pending and progress() + 1 == pending[0]:
+            pending.clear()
+            manager.report_error(RuntimeError("test hook: this commit refused"))
+        return decide(*args, **kwargs)
+
+    manager.should_commit = should_commit
 
 
 def die_after_commit(replica: int, rank: int, step: int, log_kept: Callable[[], None]) -> None:

@@ -19,10 +19,11 @@ class DiLoCoJoin:
         """DiLoCo: a healing group heals inside the sync, before its pseudo-gradient (original
         minus current parameters) is computed. Having just received the peer's current
         parameters, it would send that peer's pseudo-gradient a second time and count the peer
-        twice in the outer average; the outer step would then apply to inner-trained weights.
-        Resetting its parameters to the healed originals makes its pseudo-gradient zero: it adds
-        nothing to this one sync. Every heal, not only a restarted group's: a group that missed
-        a sync (its commit refused while its peers committed) heals at the next one the same way.
+        twice in the outer average. Resetting its parameters to the healed originals makes its
+        pseudo-gradient zero: it adds nothing to this one sync. Every heal, not only a restarted
+        group's: a group that missed a sync (its commit refused while its peers committed) heals
+        at the next one the same way (its weights end equal either way: the outer step applies
+        to the healed originals).
         """
         for fragment in self._fragments:
             fragment.restore_parameters()

@@ -67,7 +67,6 @@ class GroupTrainer(DiLoCoJoin):
         self._joined = not rejoining
         self._decision: bool | None = None  # what TorchFT's should_commit said this step
         self._refuse_a_commit = rejoining and test_hooks.refuse_rejoin_commit()
-        self._refuse_at = None if rejoining else test_hooks.refuse_commit_at(spec.replica)
         self._rank = rank
         self._version = 0  # bumped whenever the state a heal or a snapshot copies may change
         self._build(RECIPES[spec.recipe].build_trainer(spec), plat, data)
@@ -91,6 +90,8 @@ class GroupTrainer(DiLoCoJoin):
         # TorchFT's commit decision is kept as it said it: inferring it from the step counter
         # is wrong after a heal, which sets the counter to the quorum's step before deciding.
         self.state = register_with_torchft(self.manager, trainer, self._mark_healed, self._keep_decision)
+        if not self._rejoining:
+            test_hooks.refuse_commit_at(self.spec.replica, self.manager, self.progress)
         self._diloco = config.fault_tolerance.semi_sync_method is not None
         self._sync_steps = config.fault_tolerance.sync_steps
         self._inner_steps = 0  # DiLoCo: local steps since the last committed sync
@@ -160,9 +161,9 @@ class GroupTrainer(DiLoCoJoin):
         self._decision = None
         trainer.gc_handler.run(manager.current_step() + 1)
         trainer.optimizers.zero_grad()  # per-step mode: starts the async TorchFT quorum
-        if self._refuse_a_commit or self._refuse_at == self.progress() + 1:
-            self._refuse_a_commit, self._refuse_at = False, None
-            manager.report_error(RuntimeError("test hook: this commit refused"))
+        if self._refuse_a_commit:
+            self._refuse_a_commit = False
+            manager.report_error(RuntimeError("test hook: first commit after rejoining refused"))
         batches = self._data.draw(trainer.gradient_accumulation_steps)
         local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in batches)
         valid_tokens = torch.tensor(local_tokens, dtype=torch.int64, device=trainer.device)
