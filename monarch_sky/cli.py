@@ -288,4 +288,5 @@ def _train(args) -> int:
                 *(o for o in args.overrides if not o.startswith("run_id="))]
         return standby.stand_by(argv, cfg.run_id or new_run_id(cfg.recipe), cfg.run_id is None, cfg.controller.max_restarts)
     standby.die_with_standby()
+    standby.wait_for_the_word()  # a warm controller: its imports (above) are done
     return run_job(job, new_run=standby.is_new_run())

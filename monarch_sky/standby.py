@@ -5,8 +5,9 @@ on by default). A controller that ends by itself (any exit code, a stop signal i
 ends the run; one that is lost (killed by a signal: SIGKILL, a segfault, the OOM killer) is
 started again under the same run id, up to `controller.max_restarts` times. The new one finds
 the run's newest state in its hosts' node memory (`monarch_sky.control.memory_restore`), or its
-checkpoint, and trains on. A stop signal sent to the standby goes to the controller, and nothing
-is started again after it. If the standby itself dies, its controller dies with it (as both
+checkpoint, and trains on. It is started ahead, warm: its imports done (seconds of them), it
+waits for the standby's word, so a loss costs no interpreter start. A stop signal sent to the
+standby goes to the controller, and nothing is started again after it. If the standby itself dies, its controller dies with it (as both
 would with their node); a `sky launch` cluster has standbys on the other nodes for that
 (`sky/bootstrap.sh`).
 """
@@ -21,9 +22,11 @@ import sys
 import threading
 import time
 
+from monarch_sky.hosts.base import LOST_AT_ENV, parse_address, reachable
+
 CHILD_ENV = "MONARCH_SKY_CONTROLLER_CHILD"  # set in the controller a standby runs
 NEW_RUN_ENV = "MONARCH_SKY_NEW_RUN"  # its first controller of a run id the standby made up: nothing to go on from
-from monarch_sky.hosts.base import LOST_AT_ENV, parse_address, reachable
+WAITS_ENV = "MONARCH_SKY_CONTROLLER_WAITS"  # a warm controller: it waits for its standby's word first
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -40,9 +43,12 @@ def stand_by(argv: list[str], run_id: str, new_run: bool, max_restarts: int) -> 
     """Run `monarch-sky <argv> run_id=<run_id>` as the controller, again whenever it is lost.
     `new_run`: the run id was made up here, so the first controller has nothing to go on from."""
     command = [sys.executable, "-m", "monarch_sky", *argv, f"run_id={run_id}"]
-    env = {**os.environ, CHILD_ENV: "1", NEW_RUN_ENV: "1" if new_run else "0"}
+    env = {**os.environ, CHILD_ENV: "1"}
     stopping: list[int] = []
     child: subprocess.Popen | None = None
+
+    def warm() -> subprocess.Popen:  # the next controller, waiting for the word
+        return subprocess.Popen(command, env={**env, NEW_RUN_ENV: "0", WAITS_ENV: "1"}, stdin=subprocess.PIPE)
 
     def forward(signum, _frame) -> None:
         stopping.append(signum)
@@ -51,23 +57,45 @@ def stand_by(argv: list[str], run_id: str, new_run: bool, max_restarts: int) -> 
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    child = subprocess.Popen(command, env={**env, NEW_RUN_ENV: "1" if new_run else "0"})
+    ready = warm() if max_restarts > 0 else None
     restarts = 0
-    while True:
-        child = subprocess.Popen(command, env=env)
-        code = child.wait()
-        lost = code < 0 and not stopping
-        if not lost:
-            return code if code >= 0 else 128 - code
-        name = signal.Signals(-code).name
-        if restarts >= max_restarts:
-            print(f"monarch-sky standby: the controller of run {run_id} was lost ({name}) and "
-                  f"controller.max_restarts={max_restarts} are spent; run it again with run_id={run_id} "
-                  "to go on from its hosts' node memory", file=sys.stderr, flush=True)
-            return 128 - code
-        restarts += 1
-        env.update({LOST_AT_ENV: f"{time.time():.3f}", NEW_RUN_ENV: "0"})
-        print(f"monarch-sky standby: the controller of run {run_id} was lost ({name}); starting another "
-              f"({restarts}/{max_restarts}), which goes on from the hosts' node memory", flush=True)
+    try:
+        while True:
+            code = child.wait()
+            lost = code < 0 and not stopping
+            if not lost:
+                return code if code >= 0 else 128 - code
+            name = signal.Signals(-code).name
+            if restarts >= max_restarts or ready is None:
+                print(f"monarch-sky standby: the controller of run {run_id} was lost ({name}) and "
+                      f"controller.max_restarts={max_restarts} are spent; run it again with run_id={run_id} "
+                      "to go on from its hosts' node memory", file=sys.stderr, flush=True)
+                return 128 - code
+            restarts += 1
+            print(f"monarch-sky standby: the controller of run {run_id} was lost ({name}); the next one "
+                  f"({restarts}/{max_restarts}) goes on from the hosts' node memory", flush=True)
+            ready.stdin.write(f"{time.time():.3f}\n".encode())
+            ready.stdin.close()
+            child, ready = ready, (warm() if restarts < max_restarts else None)
+    finally:
+        if ready is not None and ready.poll() is None:
+            ready.kill()
+            ready.wait()
+
+
+def wait_for_the_word() -> None:
+    """In a warm controller (imports done): wait until the standby says the one before it was
+    lost (when: the line it sends), or leave quietly if the standby goes (the run ended)."""
+    if os.environ.get(WAITS_ENV) != "1":
+        return
+    try:
+        line = sys.stdin.readline()
+    except KeyboardInterrupt:  # Ctrl-C reached the whole process group: the active one handles it
+        os._exit(0)
+    if not line.strip():
+        os._exit(0)
+    os.environ[LOST_AT_ENV] = line.strip()
 
 
 def die_with_standby() -> None:
