@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from monarch_sky.hosts.base import LOST_AT_ENV, parse_address, reachable
+from monarch_sky.hosts.base import LOST_AT_ENV, LOST_IPS_ENV, parse_address, reachable
 
 CHILD_ENV = "MONARCH_SKY_CONTROLLER_CHILD"  # set in the controller a standby runs
 NEW_RUN_ENV = "MONARCH_SKY_NEW_RUN"  # its first controller of a run id the standby made up: nothing to go on from
@@ -156,6 +156,7 @@ def watch_and_take_over(doors: list[str], local_worker: str, after_s: float, arg
     print(f"monarch-sky standby: no controller answers at {', '.join(doors)} for {after_s:g}s: "
           "this node takes the run over", flush=True)
     os.environ[LOST_AT_ENV] = f"{time.time():.3f}"  # when it was seen lost (the previous record says since when)
+    os.environ[LOST_IPS_ENV] = ",".join(d.ip for d in watched)  # none answers: the new controller passes them over
     if mark:
         open(mark, "w").close()
     os.execv(sys.executable, [sys.executable, "-m", "monarch_sky", *argv])

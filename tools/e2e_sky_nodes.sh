@@ -585,6 +585,8 @@ if [ "$EXPECT" = heal ]; then
   else
     say "passed: SkyPilot ran the recipe on $NODES Slurm nodes; node $(ns $LOST) was lost at committed step $step, came back on $NET.$LOST (its worker on a moved port) and its group healed from a peer (SkyPilot job: $JOB_END)"
   fi
+elif [ "$EXPECT" = takeover ]; then
+  say "passed (E2E_EXPECT=takeover): node $(ns $LOST), the controller's, was lost at committed step $step; node $(ns 2)'s standby took the run over from node memory and trained it to its end on $(ns 2)..$(ns $NODES), no checkpoint (SkyPilot job: $JOB_END)"
 else
   say "passed (E2E_EXPECT=lost): node $(ns $LOST) was lost at committed step $step, its group was given up and training finished on the other two, degraded (SkyPilot job: $JOB_END)"
 fi

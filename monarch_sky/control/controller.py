@@ -204,7 +204,9 @@ class Controller:
         ctx.record.event("hosts_ready", hosts=[h.address for h in hosts])
 
     async def _warm_standbys(self) -> None:
-        """A standby process set per group and the spare hosts, so recovery skips the imports."""
+        """A standby process set per group and the spare hosts, so recovery skips the imports.
+        A controller that took a run over trains first and warms them meanwhile: its run has
+        waited long enough (a fault before they are ready spawns cold)."""
         ctx = self.ctx
         spares = f" and {ctx.spares.size} spare host(s)" if ctx.spares.size else ""
         if ctx.cfg.ft.standby or spares:
@@ -214,7 +216,7 @@ class Controller:
         waits = [s.gens.standby for s in self.slots if s.gens.standby is not None]
         if spares:
             waits.append(ctx.in_background(ctx.spares.start()))
-        if waits:
+        if waits and ctx.memory.restored is None:
             await asyncio.wait(waits, timeout=ctx.cfg.timeouts.spawn_s)
 
     async def _drive_all(self) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
-from monarch_sky.hosts.base import Host, HostError, HostProvider, parse_address
+from monarch_sky.hosts.base import LOST_IPS_ENV, Host, HostError, HostProvider, parse_address
 
 COMEBACK_PORT_STEP = 100  # a node's restarted worker listens this much above the last one
 COMEBACK_PORTS = 5  # how many such moves the controller looks for
@@ -26,14 +27,17 @@ class AddressListHosts(HostProvider):
         """The first `count` hosts whose workers listen, in address order; the rest are
         spares. All are waited for a while, but a node lost for good (the one whose controller
         this run goes on from, say) is passed over once enough others listen: it stays a spare,
-        handed out only if it comes back."""
+        handed out only if it comes back. Nodes a standby found silent (`LOST_IPS_ENV`) are
+        passed over at once."""
         if count > len(self.hosts):
             raise HostError(f"{count} replica groups need {count} hosts, but only {len(self.hosts)} addresses were given")
         began = time.monotonic()
+        lost = {ip for ip in os.environ.get(LOST_IPS_ENV, "").split(",") if ip}  # a standby's word
+        awaited = [h for h in self.hosts if h.ip not in lost]
         while True:
-            up = [h for h in self.hosts if self.alive(h)]
+            up = [h for h in awaited if self.alive(h)]
             waited = time.monotonic() - began
-            if len(up) == len(self.hosts) or (len(up) >= count and waited > PASS_OVER_S):
+            if len(up) >= count and (len(up) == len(awaited) or waited > PASS_OVER_S):
                 break
             if waited > self.wait_s:
                 down = " ".join(h.address for h in self.hosts if h not in up)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 RUN_ID_ENV = "MONARCH_SKY_RUN_ID"  # set on hosts: they and all they start carry it
 CONTROLLER_ENV = "MONARCH_SKY_CONTROLLER_RUN"  # set on the controller: its helpers (W&B) carry it
 LOST_AT_ENV = "MONARCH_SKY_CONTROLLER_LOST_AT"  # when a standby saw the run's previous controller lost (epoch s)
+LOST_IPS_ENV = "MONARCH_SKY_LOST_IPS"  # the nodes a standby found silent, comma-separated: not waited for at start
 UP, REFUSED, SILENT = "up", "refused", "silent"  # what a probe of a host's worker found (`reach`)
 
 
