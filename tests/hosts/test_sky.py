@@ -322,6 +322,18 @@ def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str, **extra
     }
 
 
+def start_nodes(tag: str, nodes: int, tmp: Path, args: str, own_memory: bool = False, **extra: str) -> list:
+    """`sky/bootstrap.sh` on each of `nodes` simulated nodes, output piped. `own_memory`: each
+    node has node memory of its own (tmp/memoryN) and a session of its own (to lose it whole)."""
+    def env(rank: int) -> dict:
+        memory = {"MONARCH_SKY_NODE_MEMORY": str(tmp / f"memory{rank}")} if own_memory else {}
+        return bootstrap_env(tag, rank, nodes, tmp, args, **extra, **memory)
+
+    return [subprocess.Popen(["bash", str(REPO / "sky" / "bootstrap.sh")], cwd=REPO, env=env(rank),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=own_memory)
+            for rank in range(nodes)]
+
+
 @pytest.mark.parametrize(
     "nodes, per_group",
     [pytest.param(3, 1, id="group-per-node"), pytest.param(4, 2, id="groups-span-2-nodes", marks=pytest.mark.e2e)],
@@ -329,15 +341,7 @@ def bootstrap_env(tag: str, rank: int, nodes: int, tmp: Path, args: str, **extra
 def test_bootstrap_trains_through_a_kill_across_simulated_nodes(tmp_path, nodes, per_group):
     tag, replicas = new_tag(), nodes // per_group
     args = f"steps=40 faults=kill@15:1 run_dir={tmp_path / 'runs'} wandb.mode=disabled"
-    group = {"HOSTS_PER_REPLICA": str(per_group), "PROCS_PER_REPLICA": str(2 // per_group)}
-    procs = [
-        subprocess.Popen(
-            ["bash", str(REPO / "sky" / "bootstrap.sh")],
-            cwd=REPO, env=bootstrap_env(tag, rank, nodes, tmp_path, args, **group),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(nodes)
-    ]
+    procs = start_nodes(tag, nodes, tmp_path, args, HOSTS_PER_REPLICA=str(per_group), PROCS_PER_REPLICA=str(2 // per_group))
     outputs, holders = [], KeyHolders(tag)
     try:
         for proc in procs:
@@ -376,14 +380,7 @@ def test_a_node_whose_worker_dies_moves_to_the_spare_node_and_comes_back_as_the_
     # finds it by itself: it is the new spare, and the run releases it at the end.
     tag, nodes = new_tag(), 3
     args = f"steps=150 faults=none run_dir={tmp_path / 'runs'} wandb.mode=disabled"
-    procs = [
-        subprocess.Popen(
-            ["bash", str(REPO / "sky" / "bootstrap.sh")],
-            cwd=REPO, env=bootstrap_env(tag, rank, nodes, tmp_path, args, SPARE_NODES="1"),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(nodes)
-    ]
+    procs = start_nodes(tag, nodes, tmp_path, args, SPARE_NODES="1")
     events = tmp_path / "runs" / tag / "events.jsonl"
     try:
         wait_for_event(events, "training_started", timeout_s=400)
@@ -435,15 +432,7 @@ def test_losing_node_0_with_the_controller_the_next_nodes_standby_takes_the_run_
     # and trains on to the target, with no checkpoint and no bucket.
     tag, nodes = new_tag(), 3
     args = f"steps=120 faults=none run_dir={tmp_path / 'runs'} wandb.mode=disabled"
-    procs = [
-        subprocess.Popen(
-            ["bash", str(REPO / "sky" / "bootstrap.sh")],
-            cwd=REPO, env=bootstrap_env(tag, rank, nodes, tmp_path, args, SPARE_NODES="1", TAKEOVER_AFTER_S="5",
-                                        MONARCH_SKY_NODE_MEMORY=str(tmp_path / f"memory{rank}")),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-        )
-        for rank in range(nodes)
-    ]
+    procs = start_nodes(tag, nodes, tmp_path, args, own_memory=True, SPARE_NODES="1", TAKEOVER_AFTER_S="5")
     events = tmp_path / "runs" / tag / "events.jsonl"
     try:
         wait_for_event(events, "progress", timeout_s=400, count=5)  # past step 25: snapshots and notes are out
