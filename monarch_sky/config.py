@@ -46,6 +46,7 @@ class FTSettings:
     sync_steps: int = 10  # diloco: steps between syncs
     min_replicas: int = 1  # fewest replica groups a step may commit with
     process_group_timeout_ms: int = 5000  # a collective with a dead peer fails after this
+    rendezvous_timeout_ms: int = 1000  # a quorum's cross-group (gloo) group waits this long for a member that died joining it
     # The lighthouse drops a silent group after this; TorchFT's managers beat every 100 ms.
     heartbeat_timeout_ms: int = 300
     quorum_tick_ms: int = 100  # the lighthouse forms a quorum at most this often

@@ -41,6 +41,7 @@ AT_LEAST_ONE = (
 MORE_THAN_ZERO = (  # a zero timeout or tick fails every wait, or never ends one
     "training.lr",
     "ft.process_group_timeout_ms",
+    "ft.rendezvous_timeout_ms",
     "ft.heartbeat_timeout_ms",
     "ft.quorum_tick_ms",
     "ft.join_timeout_ms",

@@ -256,3 +256,32 @@ def copies_beside_the_step():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     return lambda: torch.cuda.stream(stream)
+
+
+def quick_rendezvous(manager, rendezvous_s: float) -> None:
+    """A cross-group gloo group waits at most `rendezvous_s` for its peers at each quorum's
+    rendezvous; its collectives keep `ft.process_group_timeout_ms`.
+
+    TorchFT builds the group anew at every quorum change, and gloo builds it with one timeout
+    for both: when a member of the new quorum dies before joining (a rejoiner killed during
+    its heal), every survivor waits out the whole collective timeout in the store rendezvous,
+    on TorchFT's quorum thread, before the step fails and the next quorum leaves the dead member
+    out. gloo only, like `close_links_on_error`."""
+    from datetime import timedelta
+
+    import torch
+
+    group, configure = manager._pg, manager._pg.configure
+    short = timedelta(seconds=rendezvous_s)
+
+    def configure_quickly(*args, **kwargs) -> None:
+        full = group._timeout
+        group._timeout = min(full, short)
+        try:
+            configure(*args, **kwargs)
+        finally:
+            group._timeout = full
+        if group._pg is not None:
+            group._pg._get_backend(torch.device("cpu")).set_timeout(full)  # the collectives' own
+
+    group.configure = configure_quickly

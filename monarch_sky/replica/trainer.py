@@ -87,6 +87,7 @@ class GroupTrainer(DiLoCoJoin):
         if plat.backend == "gloo":
             platform_mod.force_sum_reduction(trainer.model_parts)
             platform_mod.close_links_on_error(self.manager)
+            platform_mod.quick_rendezvous(self.manager, ft["rendezvous_timeout_ms"] / 1000)
         # TorchFT's commit decision is kept as it said it: inferring it from the step counter
         # is wrong after a heal, which sets the counter to the quorum's step before deciding.
         self.state = register_with_torchft(self.manager, trainer, self._mark_healed, self._keep_decision)
