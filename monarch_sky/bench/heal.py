@@ -5,7 +5,7 @@ shards (fp32 weights and norms, each with AdamW's two moments, 64 MiB tensors at
 receiver heals from them. Per size (0.25, 1, 4 GB by default) and transport it measures:
 
 - `raw`: plain loopback TCP moving the same bytes between mapped buffers, on 1 and on
-  `heal_tcp.STREAMS` connections: the ceiling, measured in the same run;
+  `heal_receive.STREAMS` connections: the ceiling, measured in the same run;
 - `tcp` (monarch-sky's, 1 source) and `tcp x2` (striped over 2 senders of the same state);
 - `rdma` (monarch-sky's, the snapshot read through Monarch's RDMABuffer: ibverbs where the
   machine has it, Monarch's TCP fallback here);
@@ -109,7 +109,7 @@ class Bench:
 
 
 def _streams() -> int:
-    from monarch_sky.replica.heal_tcp import STREAMS
+    from monarch_sky.replica.heal_receive import STREAMS
 
     return STREAMS
 

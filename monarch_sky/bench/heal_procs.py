@@ -149,13 +149,13 @@ def receiver(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> No
     """Heals each case's state; on a GPU the state counts as in hand once it is on the device
     (`to_device_s` of it), as a rejoining trainer's parameters and moments are."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    from monarch_sky.replica import heal_rdma, heal_tcp, heal_wire
+    from monarch_sky.replica import heal_rdma, heal_receive, heal_wire
 
     timeout = timedelta(seconds=timeout_s)
     while (msg := conn.recv()) is not None:
         kind, total, case, sources = msg
         if kind.startswith("raw"):
-            conn.send(_raw_recv(sources[0], total, 1 if kind == "raw x1" else heal_tcp.STREAMS))
+            conn.send(_raw_recv(sources[0], total, 1 if kind == "raw x1" else heal_receive.STREAMS))
             continue
         if kind in COPIES:
             conn.send(_copy(kind, total))
@@ -165,9 +165,9 @@ def receiver(conn, store_addr: str, timeout_s: float, device: str = "cpu") -> No
             into = heal_wire.host_buffer(receive_bytes(total))  # a rejoiner maps it while it builds
             began = time.perf_counter()
             if kind == "rdma":
-                state, _, _ = heal_rdma.fetch(sources[0], 7, heal_wire.secret_from_env(), timeout_s, into=into)
+                state, _, _, _ = heal_rdma.fetch(sources[0], 7, heal_wire.secret_from_env(), timeout_s, into=into)
             else:
-                state, _ = heal_tcp.fetch(sources, 7, heal_wire.secret_from_env(), timeout_s, into=into)
+                state, _, _ = heal_receive.fetch(sources, 7, heal_wire.secret_from_env(), timeout_s, into=into)
         else:
             transport = _transport(kind, 1, store_addr, case, timeout)  # pg: meets the sender's
             conn.send("ready")

@@ -23,8 +23,9 @@ from typing import Any
 import xxhash
 
 from monarch_sky.replica import heal_wire
-from monarch_sky.replica.heal_tcp import STREAMS, TCPHealTransport, fetch_header, receive_buffer
-from monarch_sky.replica.heal_tcp import fetch as tcp_fetch
+from monarch_sky.replica.heal_receive import STREAMS, Partial, fetch_header, receive_buffer
+from monarch_sky.replica.heal_receive import fetch as tcp_fetch
+from monarch_sky.replica.heal_tcp import TCPHealTransport
 from monarch_sky.replica.heal_wire import HealWireError, Packed
 
 PIECES = 4  # buffers per snapshot, read side by side (4 beat 1 and 8 over the TCP fallback here)
@@ -89,11 +90,14 @@ class RDMAHealTransport(TCPHealTransport):
                        for a, b, buf, digest in self._registered[2]]
         return Packed({**packed.header, "rdma": {"backend": self.backend, "pieces": handles}}, packed.buffer)
 
-    def receive(self, sources: list[str], step: int, into=None) -> tuple[Any, dict, str]:
+    def receive(self, sources: list[str], step: int, into=None,
+                partial: Partial | None = None) -> tuple[Any, dict, str, int]:
+        """As the `tcp` heal's; what an RDMA read that broke off received is never kept (a read
+        that outlived its timeout may still land), only a `tcp` one's."""
         if self.backend == "none":
-            return super().receive(sources, step, into)
+            return super().receive(sources, step, into, partial)
         return fetch(sources[0], step, self._secret, self._timeout_s, into=into, mesh=self.mesh,
-                     streams=self._streams)
+                     streams=self._streams, partial=partial)
 
     def _expired(self, packed: Packed) -> None:
         with self._registering:
@@ -118,17 +122,18 @@ class RDMAHealTransport(TCPHealTransport):
 
 
 def fetch(source: str, step: int, secret: bytes, timeout_s: float, into=None, mesh=None,
-          streams: int = STREAMS) -> tuple[Any, dict, str]:
-    """(state, {source: bytes}, path) of `step`: read through RDMA when `source` published
-    handles, else pulled over tcp."""
+          streams: int = STREAMS, partial: Partial | None = None) -> tuple[Any, dict, str, int]:
+    """(state, {source: bytes}, path, bytes kept from `partial`) of `step`: read through RDMA
+    when `source` published handles, else pulled over tcp."""
     header = fetch_header(source, step, secret, timeout_s)
     if "rdma" not in header:
-        state, per_source = tcp_fetch([source], step, secret, timeout_s, streams, into=into, mesh=mesh)
-        return state, per_source, "tcp"
+        state, per_source, kept = tcp_fetch([source], step, secret, timeout_s, streams, into=into, mesh=mesh,
+                                            partial=partial)
+        return state, per_source, "tcp", kept
     buffer = receive_buffer(header["nbytes"], into)
     read_pieces(header["rdma"]["pieces"], buffer, timeout_s)
     path = "rdma (ibverbs)" if header["rdma"]["backend"] == "ibverbs" == backend() else "rdma (tcp fallback)"
-    return heal_wire.unpack(header, buffer, mesh), {source: header["nbytes"]}, path
+    return heal_wire.unpack(header, buffer, mesh), {source: header["nbytes"]}, path, 0
 
 
 def read_pieces(described: list[dict], buffer, timeout_s: float) -> None:

@@ -13,6 +13,9 @@ import secrets
 import socket
 import threading
 import time
+from typing import Callable
+
+import xxhash
 
 from monarch_sky.common import test_hooks
 from monarch_sky.replica import heal_session, heal_wire
@@ -34,9 +37,11 @@ class HealServer:
         self._ready = threading.Condition()
         self._packed: Packed | None = None
         self._expires = 0.0
+        self._sending = 0  # ranges on their way
         self._closed = False
         self._conns: set[socket.socket] = set()
         self.refused = 0  # connections that failed the challenge
+        self.before_range: Callable[[], None] = lambda: None  # a `@serve` fault hooks in here
         threading.Thread(target=self._accept, name="heal-server", daemon=True).start()
 
     def serve(self, packed: Packed) -> None:
@@ -60,7 +65,7 @@ class HealServer:
             expired = self._packed
             if expired is None:
                 return
-            if time.monotonic() < self._expires:  # fetched meanwhile: look again when it lapses
+            if self._sending or time.monotonic() < self._expires:  # fetched meanwhile: look again when it lapses
                 self._expire_later()
                 return
             self._packed = None
@@ -112,19 +117,36 @@ class HealServer:
                         session.send(packed.header)
                     elif request.get("version") != packed.header["version"]:
                         raise HealWireError(f"a range of snapshot {request.get('version')} asked, serving {packed.header['version']}")
+                    elif request["op"] == "digest":  # a resumed heal checks the bytes it kept
+                        session.send({"xxh3": xxhash.xxh3_64_hexdigest(self._range(packed, request))})
                     else:
-                        self._send_range(session, packed, int(request["start"]), int(request["end"]))
+                        self._send_range(session, packed, request)
             except (OSError, HealWireError, ValueError, KeyError) as e:
                 log.debug("heal connection ended: %s", e)
             finally:
                 with self._ready:
                     self._conns.discard(conn)
 
-    def _send_range(self, session: heal_session.Session, packed: Packed, start: int, end: int) -> None:
+    @staticmethod
+    def _range(packed: Packed, request: dict) -> memoryview:
+        start, end = int(request["start"]), int(request["end"])
         if not 0 <= start <= end <= packed.nbytes:
             raise HealWireError(f"range {start}-{end} outside the snapshot's {packed.nbytes} bytes")
+        return heal_wire.byte_view(packed.buffer)[start:end]
+
+    def _send_range(self, session: heal_session.Session, packed: Packed, request: dict) -> None:
+        view = self._range(packed, request)
+        self.before_range()
         pace = test_hooks.heal_pace_bytes_per_s()
-        session.send_range(heal_wire.byte_view(packed.buffer)[start:end], PACED_PIECE if pace else heal_wire.CHUNK, pace)
+        with self._ready:
+            self._sending += 1
+        try:
+            session.send_range(view, PACED_PIECE if pace else heal_wire.CHUNK, pace)
+        finally:  # a transfer counts as a fetch until it ends: a slow piece never lets the snapshot lapse
+            with self._ready:
+                self._sending -= 1
+                if self._packed is packed:
+                    self._expires = time.monotonic() + self._hold_s
 
     def close(self) -> None:
         """Stop serving, also the transfers under way (a receiver sees the break at once)."""

@@ -65,8 +65,9 @@ class Session:
             self.conn.sendall(view[at:at + piece])
         self.send({"xxh3": digest.hexdigest()})
 
-    def recv_range(self, view: memoryview) -> None:
-        """Fill `view` with the range's bytes; raises if they do not hash to the digest sent."""
+    def recv_range(self, view: memoryview) -> str:
+        """Fill `view` with the range's bytes and return their digest; raises if they do not
+        hash to the digest sent."""
         digest = xxhash.xxh3_64()
         for at in range(0, len(view), CHUNK):
             part = view[at:at + CHUNK]
@@ -76,6 +77,7 @@ class Session:
         if sent != digest.hexdigest():
             raise HealWireError(f"a heal range of {len(view)} bytes arrived damaged (xxh3 {digest.hexdigest()}, "
                                 f"sent {sent})")
+        return sent
 
 
 def accept(conn: socket.socket, secret: bytes) -> Session | None:

@@ -3,32 +3,26 @@
 The serving rank serves a snapshot of its shards (`heal_server`): its node-memory snapshot when
 that holds the state asked for, else a copy made at memcpy speed; its own step goes on at once:
 TorchFT's `disallow_checkpoint` (the serving group's should_commit) waits for no transfer. The
-receiver pulls byte ranges over several connections at once, straight into one buffer
-(`recv_into`, no copy, no pickle), and may stripe them over several sources that serve the same
-step (`fetch`). Connections are bound to the advertised address and authenticated both ways
+receiver pulls pieces over several connections at once, straight into one buffer (`recv_into`,
+no copy, no pickle), from every source that serves the step, and a heal whose source was lost
+resumes where it broke off at the next quorum, from another peer (`heal_receive`). Connections are bound to the advertised address and authenticated both ways
 (`heal_session`). The `rdma` heal (`heal_rdma`) serves the same snapshot and header from here.
 """
 
 from __future__ import annotations
 
-import contextlib
-import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from torchft.checkpointing.transport import CheckpointTransport
 
-
-from monarch_sky.replica import heal_session, heal_wire
-from monarch_sky.replica.heal_server import SCHEME, HealServer
-from monarch_sky.replica.heal_wire import HealWireError, Packed
-
-
-STREAMS = 4  # connections per source: one stream leaves loopback and NICs under-used
+from monarch_sky.replica import heal_receive, heal_wire
+from monarch_sky.replica.heal_receive import STREAMS, HealInterrupted, Partial
+from monarch_sky.replica.heal_server import HealServer
+from monarch_sky.replica.heal_wire import Packed
 
 
 @dataclass
@@ -38,81 +32,10 @@ class HealStats:
     received_bytes: int = 0
     received_s: float = 0.0
     sources: dict[str, int] = field(default_factory=dict)  # address -> bytes received from it
+    kept_bytes: int = 0  # bytes a heal kept from an earlier one that broke off (heal_receive.Partial)
     served_bytes: int = 0  # bytes of state this rank staged for a peer
     snapshot_s: float = 0.0  # how long staging held this rank's step
     path: str = ""  # what the received bytes crossed: "tcp", "rdma (ibverbs)", "rdma (tcp fallback)"
-
-
-def _parse(address: str) -> tuple[str, int]:
-    if not address.startswith(SCHEME):
-        raise HealWireError(f"not a monarch-sky heal address: {address!r}")
-    host, port = address[len(SCHEME):].rsplit(":", 1)
-    return host, int(port)
-
-
-@contextlib.contextmanager
-def _connect(address: str, secret: bytes, timeout_s: float) -> Iterator[heal_session.Session]:
-    with socket.create_connection(_parse(address), timeout=timeout_s) as conn:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        yield heal_session.connect(conn, secret)
-
-
-def _fetch_range(address: str, secret: bytes, step: int, version: str, view: memoryview, start: int,
-                 timeout_s: float) -> None:
-    with _connect(address, secret, timeout_s) as session:
-        session.send({"op": "range", "step": step, "version": version, "start": start, "end": start + len(view)})
-        session.recv_range(view)
-
-
-def stripes(nbytes: int, sources: list[str], streams: int) -> list[tuple[str, int, int]]:
-    """(source, start, end) for each connection: disjoint ranges covering the buffer, dealt
-    round-robin over the sources so each serves an equal share."""
-    count = max(1, len(sources) * streams)
-    size = -(-nbytes // count)
-    return [(sources[i % len(sources)], i * size, min(nbytes, (i + 1) * size))
-            for i in range(count) if i * size < nbytes]
-
-
-def fetch_header(source: str, step: int, secret: bytes, timeout_s: float) -> dict:
-    """The snapshot's description (`heal_wire.pack`), waiting for its staging up to `timeout_s`."""
-    with _connect(source, secret, timeout_s) as session:
-        session.send({"op": "header", "step": step})
-        header = session.recv()
-    if header.get("step") != step:
-        raise HealWireError(f"{source} served step {header.get('step')} when asked for step {step}")
-    return header
-
-
-def receive_buffer(nbytes: int, into=None):
-    """`into` when it holds `nbytes` (mapped while the rank built), else a new host buffer."""
-    return into[:nbytes] if into is not None and into.numel() >= nbytes else heal_wire.host_buffer(nbytes)
-
-
-def fetch(
-    sources: list[str], step: int, secret: bytes, timeout_s: float, streams: int = STREAMS, into=None, mesh=None
-) -> tuple[Any, dict]:
-    """Receive the state of `step` from `sources` (each serving the same snapshot), into
-    `into` when it is large enough; DTensors are rebuilt on `mesh`.
-
-    Returns the state and {source: bytes it sent}. Every socket operation is bounded by
-    `timeout_s`: a slow heal that keeps moving finishes, a stalled one fails.
-    """
-    headers = {src: fetch_header(src, step, secret, timeout_s) for src in sources}
-    header = headers[sources[0]]
-    layout = ("spec", "leaves", "nbytes")
-    if any([h[k] for k in layout] != [header[k] for k in layout] for h in headers.values()):
-        raise HealWireError(f"the sources of step {step} serve snapshots of different layouts: {', '.join(sources)}")
-    buffer = receive_buffer(header["nbytes"], into)
-    view = heal_wire.byte_view(buffer)
-    parts = stripes(header["nbytes"], sources, streams)
-    per_source = {s: 0 for s in sources}
-    with ThreadPoolExecutor(max_workers=len(parts) or 1, thread_name_prefix="heal-recv") as pool:
-        futures = [pool.submit(_fetch_range, src, secret, step, headers[src]["version"], view[a:b], a, timeout_s)
-                   for src, a, b in parts]
-        for (src, a, b), future in zip(parts, futures):
-            future.result()
-            per_source[src] += b - a
-    return heal_wire.unpack(header, buffer, mesh), per_source
 
 
 class TCPHealTransport(CheckpointTransport[dict]):
@@ -122,6 +45,7 @@ class TCPHealTransport(CheckpointTransport[dict]):
         self._stats = HealStats()
         self._lock = threading.Lock()
         self._buffer = None  # a rejoining rank's receive buffer, mapped while it builds
+        self._partial: Partial | None = None  # what a heal that broke off received
         self.mesh = None  # this rank's device mesh: a received DTensor is rebuilt on it
         # The node-memory snapshot of the state TorchFT asks to send, if one holds it (node_state).
         self.snapshot_of: Callable[[float], Packed | None] = lambda timeout_s: None
@@ -158,20 +82,28 @@ class TCPHealTransport(CheckpointTransport[dict]):
         # Taken, never given back: the state is a view into it until loaded, and after a failed
         # receive late writes (an RDMA read that outlived its timeout) may still land in it.
         into, self._buffer = self._buffer, None
-        state, per_source, path = self.receive([metadata], step, into)
+        partial, self._partial = self._partial, None
+        try:
+            state, per_source, path, kept = self.receive([metadata], step, into, partial)
+        except HealInterrupted as e:  # the next heal (TorchFT's next quorum, another peer) goes on from here
+            self._partial = e.partial
+            raise
         with self._lock:
             self._stats.path = path
+            self._stats.kept_bytes += kept
             self._stats.received_bytes += sum(per_source.values())
             self._stats.received_s += time.perf_counter() - began
             for source, nbytes in per_source.items():
                 self._stats.sources[source] = self._stats.sources.get(source, 0) + nbytes
         return state
 
-    def receive(self, sources: list[str], step: int, into=None) -> tuple[Any, dict, str]:
-        """(state, {source: bytes}, the path the bytes crossed); `into`: a buffer mapped ahead."""
-        state, per_source = fetch(sources, step, self._secret, self._timeout_s, self._streams, into=into,
-                                  mesh=self.mesh)
-        return state, per_source, "tcp"
+    def receive(self, sources: list[str], step: int, into=None,
+                partial: Partial | None = None) -> tuple[Any, dict, str, int]:
+        """(state, {source: bytes}, the path the bytes crossed, bytes kept from `partial`);
+        `into`: a buffer mapped ahead; `partial`: what an earlier heal that broke off received."""
+        state, per_source, kept = heal_receive.fetch(sources, step, self._secret, self._timeout_s, self._streams,
+                                                     into=into, mesh=self.mesh, partial=partial)
+        return state, per_source, "tcp", kept
 
     def take_stats(self) -> HealStats:
         with self._lock:

@@ -29,7 +29,7 @@ def test_an_rdma_rank_heals_over_tcp_from_a_peer_that_published_no_handles():
     try:
         state = rank_state(1000)
         serving.send_checkpoint([1], 5, state, timedelta(seconds=5))
-        got, per_source, path = heal_rdma.fetch(serving.metadata(), 5, SECRET, timeout_s=5)
+        got, per_source, path, _ = heal_rdma.fetch(serving.metadata(), 5, SECRET, timeout_s=5)
         assert path == "tcp" and per_source == {serving.metadata(): heal_wire.layout(state)[3]}
         assert_same(got, state)
     finally:
@@ -41,29 +41,29 @@ MIXED = textwrap.dedent("""
     from datetime import timedelta
     sys.path.insert(0, "tests/replica")
     from test_heal_transport import SECRET, assert_same, rank_state
-    from monarch_sky.replica import heal_rdma, heal_tcp
+    from monarch_sky.replica import heal_rdma, heal_receive
     from monarch_sky.replica.heal_wire import HealWireError
 
     serving = heal_rdma.RDMAHealTransport("127.0.0.1", SECRET, 10)
     state = rank_state()
     serving.send_checkpoint([1], 5, state, timedelta(seconds=5))
-    got, per_source, path = heal_rdma.fetch(serving.metadata(), 5, SECRET, timeout_s=10)
+    got, per_source, path, _ = heal_rdma.fetch(serving.metadata(), 5, SECRET, timeout_s=10)
     assert_same(got, state)
     print("PATH", path, per_source[serving.metadata()])
-    got, _ = heal_tcp.fetch([serving.metadata()], 5, SECRET, timeout_s=10)  # a tcp rank ignores the handles
+    got, _, _ = heal_receive.fetch([serving.metadata()], 5, SECRET, timeout_s=10)  # a tcp rank ignores the handles
     assert_same(got, state)
-    first = heal_tcp.fetch_header(serving.metadata(), 5, SECRET, 10)["rdma"]["pieces"]
+    first = heal_receive.fetch_header(serving.metadata(), 5, SECRET, 10)["rdma"]["pieces"]
     serving.send_checkpoint([1], 6, state, timedelta(seconds=5))  # a copy of its own, registered anew
     try:
-        heal_rdma.read_pieces(first, heal_tcp.receive_buffer(1 << 24), timeout_s=5)
+        heal_rdma.read_pieces(first, heal_receive.receive_buffer(1 << 24), timeout_s=5)
         print("OLD read")
     except Exception as e:
         print("OLD failed", type(e).__name__)
-    stale = heal_tcp.fetch_header(serving.metadata(), 6, SECRET, 10)["rdma"]["pieces"]
+    stale = heal_receive.fetch_header(serving.metadata(), 6, SECRET, 10)["rdma"]["pieces"]
     serving.shutdown()
     began = time.monotonic()
     try:
-        heal_rdma.read_pieces(stale, heal_tcp.receive_buffer(1 << 24), timeout_s=5)
+        heal_rdma.read_pieces(stale, heal_receive.receive_buffer(1 << 24), timeout_s=5)
         print("GONE read")
     except Exception as e:
         print("GONE failed", round(time.monotonic() - began, 1), type(e).__name__)

@@ -13,10 +13,17 @@ import pytest
 import torch
 
 from monarch_sky.replica import heal_wire
-from monarch_sky.replica.heal_tcp import TCPHealTransport, fetch, stripes
+from monarch_sky.replica import heal_receive
+from monarch_sky.replica.heal_receive import HealInterrupted, missing, pieces
+from monarch_sky.replica.heal_tcp import TCPHealTransport
 from monarch_sky.replica.heal_wire import HealWireError
 
 SECRET = os.urandom(32)
+
+
+def fetch(*args, **kwargs):
+    state, per_source, _ = heal_receive.fetch(*args, **kwargs)
+    return state, per_source
 
 
 def rank_state(n: int = 300_000) -> dict:
@@ -137,7 +144,8 @@ def test_diloco_outer_momentum_crosses_as_this_ranks_shard_and_is_rebuilt_on_the
         receiving.recv_checkpoint(1, serving.metadata(), 2, timedelta(seconds=5))
 
 
-def test_a_heal_is_striped_over_every_source_of_the_same_step():
+def test_a_heal_is_striped_over_every_source_of_the_same_step(monkeypatch):
+    monkeypatch.setenv("MONARCH_SKY_TEST_HEAL_PACE", str(20_000_000))  # neither drains the pieces before the other connects
     sources = [TCPHealTransport("127.0.0.1", SECRET, 10) for _ in range(2)]
     try:
         state = rank_state()
@@ -147,18 +155,23 @@ def test_a_heal_is_striped_over_every_source_of_the_same_step():
         assert_same(got, state)
         assert sorted(per_source) == sorted(s.metadata() for s in sources)
         assert all(n > 0 for n in per_source.values())
-        assert abs(per_source[sources[0].metadata()] - per_source[sources[1].metadata()]) <= 2 * heal_wire.ALIGN
+        assert sum(per_source.values()) == heal_wire.pack(state, 5).nbytes, "each byte came once"
     finally:
         for s in sources:
             s.shutdown()
 
 
-def test_stripes_cover_the_buffer_once():
-    parts = stripes(1000, ["a", "b"], 3)
-    covered = sorted((a, b) for _, a, b in parts)
-    assert covered[0][0] == 0 and covered[-1][1] == 1000
+def test_pieces_cover_what_is_missing_once_and_give_every_connection_work():
+    mb = 1 << 20
+    done = {(1 * mb, 2 * mb): "x", (5 * mb, 6 * mb): "y"}
+    gaps = missing(done, 40 * mb)
+    assert gaps == [(0, mb), (2 * mb, 5 * mb), (6 * mb, 40 * mb)]
+    cut = pieces(gaps, 4)
+    assert len(cut) >= 4 * 8 and all(b - a <= heal_receive.PIECE for a, b in cut)
+    covered = sorted(cut + list(done))
+    assert covered[0][0] == 0 and covered[-1][1] == 40 * mb
     assert all(prev[1] == nxt[0] for prev, nxt in zip(covered, covered[1:]))
-    assert {src for src, _, _ in parts} == {"a", "b"}
+    assert len(pieces([(0, 1000)], 4)) == 1, "a small state is not cut below MIN_PIECE"
 
 
 def test_a_heal_three_times_longer_than_the_transports_timeout_still_finishes(monkeypatch):
@@ -222,7 +235,7 @@ def test_a_server_that_cannot_prove_it_holds_the_runs_secret_is_not_healed_from(
 
 
 def test_a_snapshot_replaced_during_a_heal_is_never_mixed_with_the_one_before(pair):
-    from monarch_sky.replica.heal_tcp import _fetch_range, fetch_header
+    from monarch_sky.replica.heal_receive import connect, fetch_header
 
     serving, _ = pair
     old, new = rank_state(1000), rank_state(1000)
@@ -232,7 +245,9 @@ def test_a_snapshot_replaced_during_a_heal_is_never_mixed_with_the_one_before(pa
     serving.send_checkpoint([1], 5, new, timedelta(seconds=5))  # TorchFT asked again, the state moved on
     buffer = torch.empty(header["nbytes"], dtype=torch.uint8)
     with pytest.raises((HealWireError, OSError)):  # the old snapshot's ranges are no longer served
-        _fetch_range(serving.metadata(), SECRET, 5, header["version"], heal_wire.byte_view(buffer), 0, 5)
+        with connect(serving.metadata(), SECRET, 5) as session:
+            session.send({"op": "range", "step": 5, "version": header["version"], "start": 0, "end": 64})
+            session.recv_range(heal_wire.byte_view(buffer)[:64])
     got, _ = fetch([serving.metadata()], 5, SECRET, timeout_s=5)
     assert_same(got, new)
 
