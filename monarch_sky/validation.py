@@ -12,7 +12,7 @@ import re
 
 from omegaconf import DictConfig, OmegaConf
 
-from monarch_sky.faults.spec import CONTROLLER, KINDS, Fault
+from monarch_sky.faults.spec import CONTROLLER, KINDS, PROCESS_KINDS, SERVE, Fault
 
 
 class ConfigError(ValueError):
@@ -199,6 +199,19 @@ def _validate_sky_replacements(hosts: DictConfig) -> None:
         )
 
 
+def _validate_serve(fault: Fault, stepped: set, replicas: int, chaos: bool) -> None:
+    if fault.kind not in PROCESS_KINDS:
+        raise ConfigError(f"faults: '{fault}' aims at the processes that serve a heal; use a process kind "
+                          f"({', '.join(PROCESS_KINDS)}), e.g. kill@{SERVE}:{fault.replica}")
+    if replicas < 3:
+        raise ConfigError(f"faults: '{fault}' takes down the group a rejoiner heals from, and with replicas="
+                          f"{replicas} it is the only one: the run would lose its state; use replicas=3 or more")
+    if not (stepped - {fault.replica}) and not chaos:
+        other = (fault.replica + 1) % replicas
+        raise ConfigError(f"faults: '{fault}' waits for another replica to heal from replica {fault.replica}, but "
+                          f"nothing makes one fail; add a fault before it (e.g. kill@20:{other}) or turn chaos on")
+
+
 def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
     if any(f.kind == "host" for f in faults) and config.hosts.provider != "local":
         raise ConfigError(
@@ -212,7 +225,9 @@ def validate_faults(config: DictConfig, faults: list[Fault]) -> None:
     chaos = config.chaos
     stepped = {f.replica for f in faults if not f.during}  # replicas a step fault makes fail
     for fault in faults:
-        if fault.during and fault.replica not in stepped and chaos.every_s <= 0:
+        if fault.during == SERVE:
+            _validate_serve(fault, stepped, config.replicas, chaos.every_s > 0)
+        elif fault.during and fault.replica not in stepped and chaos.every_s <= 0:
             raise ConfigError(
                 f"faults: '{fault}' waits for replica {fault.replica} to recover from a failure, but nothing "
                 f"makes it fail; add a fault before it (e.g. kill@20:{fault.replica}) or turn chaos on (chaos.every_s)"

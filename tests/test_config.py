@@ -25,6 +25,9 @@ BAD = [
     (["steps=30", "faults=kill@40:1"], ["faults", "step 40", "steps=30"]),
     (["replicas=2", "faults=kill@rejoin:1"], ["faults", "kill@rejoin:1", "nothing makes it fail", "chaos.every_s"]),
     (["faults=controller@20:1"], ["faults", "controller@STEP", "no replica"]),
+    (["replicas=2", "faults=kill@20:1,kill@serve:0"], ["faults", "kill@serve:0", "replicas=2", "replicas=3"]),
+    (["replicas=3", "faults=kill@20:0,kill@serve:0"], ["faults", "kill@serve:0", "nothing makes one fail", "kill@20:1"]),
+    (["replicas=3", "faults=kill@20:1,host@serve:0"], ["faults", "host@serve:0", "process kind", "kill@serve:0"]),
     (["replicas=2", "faults=controller@20", "snapshot.every_steps=0"], ["faults", "controller@20", "snapshot.every_steps", "checkpoint.every_min"]),
     (["chaos.every_s=5", "chaos.kinds=[kill,controller]"], ["chaos.kinds", "controller", "kill"]),
     (["ft.mode=async"], ["ft.mode", "step", "diloco"]),
@@ -155,6 +158,7 @@ def test_a_compound_fault_aims_at_the_next_rejoin_and_round_trips():
     assert faults == [Fault("kill", 20, 1), Fault("host", 0, 1, "rejoin"), Fault("kill", 0, 1, "rejoin")]
     assert ",".join(map(str, faults)) == "kill@20:1,host@rejoin:1,kill@rejoin:1", "phase faults keep their order"
     assert load_job(["replicas=2", "steps=50", "chaos.every_s=5", "faults=kill@rejoin:0"]).faults[0].during == "rejoin"
+    assert load_job(["replicas=3", "steps=50", "faults=kill@20:2,kill@serve:0"]).faults[1].during == "serve"
 
 
 def test_a_controller_fault_takes_no_replica_and_may_run_on_one_group():

@@ -197,11 +197,15 @@ class Slot(SlotRecovery):
         await ctx.checkpoints.after_step(self, result)  # the last resort, when due (checkpoint_policy)
 
     def _fire_faults(self, group: ReplicaGroup) -> None:
-        # `faults=` aims at a step, or at a new generation's first step back (`@rejoin`).
+        # `faults=` aims at a step, or at a new generation's first step back (`@rejoin`, and
+        # `@serve` at the groups it heals from).
         first_back = self.state is SlotState.REJOINING and self.step_calls == 0
         self.step_calls += 1
         injector, ledger = self.ctx.injector, self.ctx.ledger
         injector.fire_due(self.index, ledger.run_step, group, self.kill_host, ledger.step_seconds, rejoining=first_back)
+        if first_back:
+            training = {s.index: s for s in self.ctx.slots if s.state is SlotState.TRAINING}
+            injector.fire_serving(self.index, ledger.run_step, training)
         injector.fire_controller(ledger.run_step, ledger.step_seconds,
                                  memory_restore.after_loss_hint(self.ctx.cfg))
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from monarch_sky.faults.schedule import FIRST_HEAL_S, chaos_draws, once_per_run, too_late
-from monarch_sky.faults.spec import CONTROLLER, PROCESS_KINDS, REJOIN, Fault
+from monarch_sky.faults.spec import CONTROLLER, PROCESS_KINDS, REJOIN, SERVE, Fault
 from monarch_sky.replica.step_result import HealInfo, StepResult
 
 
@@ -92,6 +92,23 @@ class FaultInjector:
             if fault.during:
                 fault, share = Fault(fault.kind, run_step, fault.replica, fault.during), 0.25
             self.inject(fault, group, kill_host, delay_s=share * step_seconds, run_step=run_step, scheduled=True)
+
+    def fire_serving(self, rejoiner: int, run_step: int, training: dict) -> None:
+        """`rejoiner`'s new generation begins its first step back: arm the next `@serve` fault
+        aimed at a group in `training` ({replica: slot}), which may serve that heal. Each of
+        the group's processes fires it as it begins to send its state."""
+        due = [f for f in self.pending if f.during == SERVE and f.replica != rejoiner and f.replica in training][:1]
+        for fault in due:
+            self.pending.remove(fault)
+            slot = training[fault.replica]
+            fault = Fault(fault.kind, run_step, fault.replica, SERVE)
+            slot.group.inject_when_serving(fault.kind)
+            self.records.append(FaultRecord(fault, None, time.monotonic(), slot.group.generation))
+            self.on_fired(str(fault))
+            self.record.event("fault_injected", kind=fault.kind, replica=fault.replica, rank=None, step=run_step,
+                              during=SERVE, scheduled=str(fault))
+            self.display.line(f"[fault] {fault.kind} -> replica {fault.replica} when it serves replica {rejoiner}'s "
+                              f"heal, at step {run_step}")
 
     def fire_controller(self, run_step: int, step_seconds: float, resume_hint: str) -> None:
         """SIGKILL this controller inside the step that reaches a `controller@STEP` fault (its

@@ -8,7 +8,9 @@ A compound fault aims at a recovery in progress instead of a step: `kill@20:1,ho
 kills replica 1 at step 20, then takes down the host of its new generation while that one
 heals from a peer (its first step back, before it has committed with the others). Each
 `@rejoin` fault fires at one rejoin of its replica, in order, so `kill@rejoin:1` twice more
-fails three generations in a row. The syntax is stable: other tooling writes it.
+fails three generations in a row. `kill@20:2,kill@serve:0` kills replica 2 at step 20, then
+kills replica 0 while it sends replica 2 its state (a source lost mid-heal; process kinds only).
+The syntax is stable: other tooling writes it.
 
 `controller@STEP` (no replica) SIGKILLs the controller itself once the run reaches STEP; its
 hosts and trainers live on, as when the controller's node dies. Running the same run_id again
@@ -33,7 +35,11 @@ CONTROLLER = "controller"  # not a replica's fault: `controller@STEP`, and never
 PROCESS_KINDS = ("kill", "segfault", "comms", "hang", "stop")  # injected by the FaultActor inside the group
 # Recovery phases a fault can aim at in place of a step.
 REJOIN = "rejoin"
-PHASES = {REJOIN: "the replica's new generation, in its first step back (the heal), before it commits with the others"}
+SERVE = "serve"
+PHASES = {
+    REJOIN: "the replica's new generation, in its first step back (the heal), before it commits with the others",
+    SERVE: "the replica while it serves another group's heal: each of its processes as it begins to send",
+}
 
 
 class FaultSpecError(ValueError):

@@ -224,6 +224,10 @@ class ReplicaGroup:
     def inject(self, kind: str, rank: int, delay_s: float) -> None:
         self.fault_actors.slice(hosts=rank // self.procs, gpus=rank % self.procs).inject.broadcast(kind, delay_s)
 
+    def inject_when_serving(self, kind: str) -> None:
+        """Each process fires `kind` as it begins to send its state to a rejoining peer."""
+        self.fault_actors.inject_when_serving.broadcast(kind)
+
     async def close(self, timeout_s: float) -> None:
         """Let the trainers shut TorchFT down cleanly, then stop the processes."""
         if self.actors is not None and self.failure is None:

@@ -10,6 +10,8 @@ import threading
 
 from monarch.actor import Actor, endpoint
 
+SERVE_WAIT_S = 60.0  # a `@serve` fault whose group serves no heal by then fires all the same
+
 
 class FaultActor(Actor):
     """Lives beside each trainer process and injects faults into it on request.
@@ -25,6 +27,34 @@ class FaultActor(Actor):
     def inject(self, kind: str, delay_s: float = 0.0) -> None:
         # Fire from a timer so this call returns before the process dies.
         threading.Timer(max(delay_s, 0.01), _FAULTS[kind]).start()
+
+    @endpoint
+    def inject_when_serving(self, kind: str) -> None:
+        """Fire `kind` as this process begins to send a rejoining peer its state (the `tcp`
+        heal's first range), or after SERVE_WAIT_S if it serves nothing by then."""
+        from monarch_sky.replica import trainer
+
+        fire = _once(_FAULTS[kind])
+        transport = trainer.ACTIVE.transport if trainer.ACTIVE is not None else None
+        server = getattr(transport, "server", None)
+        if server is not None:
+            server.before_range = fire
+        timer = threading.Timer(SERVE_WAIT_S, fire)
+        timer.daemon = True
+        timer.start()
+
+
+def _once(fault):
+    lock = threading.Lock()
+    fired = []
+
+    def fire() -> None:
+        with lock:
+            if fired:
+                return
+            fired.append(True)
+        fault()
+    return fire
 
 
 def _kill() -> None:

@@ -93,3 +93,28 @@ def test_a_comms_fault_that_fails_no_step_is_absorbed_after_two_quiet_commits_an
     inj.same_generation_result(step(2, False), 0, issued=200.1, now=200.4)
     assert inj.same_generation_result(step(2, True), 0, issued=200.5, now=200.9) == [landed]
     assert (landed.detected_at, landed.recovered_from) == (200.4, "in place")
+
+
+def test_a_serve_fault_waits_for_a_rejoin_it_can_serve_and_goes_to_its_own_group():
+    class Group:
+        generation = 3
+
+        def __init__(self):
+            self.armed = []
+
+        def inject_when_serving(self, kind):
+            self.armed.append(kind)
+
+    class Slot:
+        def __init__(self):
+            self.group = Group()
+
+    inj = injector()
+    inj.pending = parse_faults("kill@20:2,kill@serve:0")[1:]
+    serving = {0: Slot(), 1: Slot()}
+    inj.fire_serving(0, run_step=21, training={1: serving[1]})
+    assert inj.pending and not serving[1].group.armed, "replica 0 is the one rejoining (or not training): not yet"
+    inj.fire_serving(2, run_step=22, training=serving)
+    assert serving[0].group.armed == ["kill"] and not serving[1].group.armed and not inj.pending
+    [rec] = inj.records
+    assert (rec.fault.replica, rec.fault.during, rec.generation) == (0, "serve", 3)
