@@ -50,7 +50,9 @@ class DiLoCoJoin:
         self._align_schedule()
         self._after_update(bool(self._decision))
         healed_now, self._healed_now = self._healed_now, False
-        member, quorum = self._quorum.take()
+        member, quorum, healing = self._quorum.take()
+        if healing:
+            self._agree_after_heal()
         return StepResult(
             replica=self.spec.replica,
             step=self.progress(),

@@ -16,9 +16,12 @@ The parameter objects are captured once, between steps, when FSDP has them shard
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 STATE_KEY = "monarch_sky"
 
@@ -68,6 +71,29 @@ def register_with_torchft(manager, trainer, on_load: Callable[[int], None] = lam
 
     manager.should_commit = should_commit
     return state
+
+
+def agree_on_step(manager, group, device) -> bool:
+    """After a quorum that healed this group: bring its ranks back to the lowest step if the
+    heal reached only some of them (True if it did so). Every rank of the group calls it.
+
+    A heal that broke off on one rank (its source died mid-heal) while the others' completed
+    leaves them at different steps. TorchFT decides the next heal by the group's step as one
+    rank reported it, so the rank left behind would train on from fresh weights, and the
+    ranks' step-driven collectives (snapshots) part ways (seen: gloo's "collective mismatch",
+    the group lost). At the lowest step the next quorum heals the whole group again; a rank
+    whose heal of that same step broke off keeps what it received (`heal_receive.Partial`).
+    """
+    step = manager.current_step()
+    bounds = torch.tensor([step, -step], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(bounds, op=torch.distributed.ReduceOp.MAX, group=group)
+    high, low = int(bounds[0]), -int(bounds[1])
+    if low == high:
+        return False
+    log.warning("a heal reached some ranks of this group only (steps %d to %d): all go back to step %d "
+                "and heal again in the next quorum", low, high, low)
+    manager.load_state_dict({"step": low, "batches_committed": manager.batches_committed()})
+    return True
 
 
 class RankLocalState:

@@ -29,6 +29,7 @@ from monarch_sky.replica import heal_transport, trainer_checkpoint
 from monarch_sky.replica.data_position import DataHandover, DataPosition
 from monarch_sky.replica.digest import shard_digest
 from monarch_sky.replica.diloco_join import DiLoCoJoin
+from monarch_sky.replica.healing import agree_on_step
 from monarch_sky.replica.node_state import TrainerSnapshots
 from monarch_sky.replica.quorum_members import QuorumMembers
 from monarch_sky.replica.step_result import StepResult
@@ -184,7 +185,9 @@ class GroupTrainer(DiLoCoJoin):
         trainer.optimizers.step()  # TorchFT: steps only if the quorum commits
         self._version += 1
         synced = self._decision is True
-        member, quorum = self._quorum.take()
+        member, quorum, healing = self._quorum.take()
+        if healing:
+            self._agree_after_heal()
         committed = self._account(self._decision)  # before the hook: DiLoCo's progress counts the sync
         if synced and not self._rejoining:
             test_hooks.die_after_commit(self.spec.replica, self._rank, self.progress(), self._data.keep)
@@ -259,6 +262,10 @@ class GroupTrainer(DiLoCoJoin):
             self._inner_steps = 0
             return bool(decision)
         return self._joined
+
+    def _agree_after_heal(self) -> None:
+        if self._loss_group is not None:
+            agree_on_step(self.manager, self._loss_group, self.trainer.device)
 
     def _group_loss(self, loss: torch.Tensor) -> float:
         if self._loss_group is not None:
