@@ -96,6 +96,8 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
             print(f"monarch-sky: cannot resume run {run_id}: {e}", file=sys.stderr)
             return EXIT_CONFIG
         display.line(restart_message(run_id, previous))
+    outer_id = os.environ.get(CONTROLLER_ENV)
+    os.environ[CONTROLLER_ENV] = run_id  # after the reap: what this controller starts (W&B) is reaped by the next
     record = RunRecord(cfg.run_dir, run_id)
     log_file = _log_to_file(record.path / "controller.log")
     (record.path / "config.yaml").write_text(resolved_yaml(job))
@@ -132,7 +134,7 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
         log.error("run failed", exc_info=True)
         display.line(f"monarch-sky: run failed: {error} (traceback: {log_file.baseFilename})")
     finally:
-        reap_run(run_id, EVERYTHING)
+        reap_run(run_id, (RUN_ID_ENV,))  # hosts and trainers; W&B's helpers still have to finish
     try:
         if summary is None:
             return EXIT_SUPERSEDED
@@ -144,11 +146,21 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
             display.line("monarch-sky: interrupted while finishing W&B; the run record is complete")
         display.finish(summary, str(record.path), tracker.mode, tracker.location)
     finally:
+        if summary is not None:  # superseded: the helpers under this run id may be the newer controller's
+            reap_run(run_id, EVERYTHING)
+        _restore_env(CONTROLLER_ENV, outer_id)
         record.close()
         logging.getLogger().removeHandler(log_file)
         STORY.removeHandler(log_file)
         log_file.close()
     return summary["outcome"]["exit_code"]
+
+
+def _restore_env(key: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(key, None)
+    else:
+        os.environ[key] = value
 
 
 def insecure_heal(cfg) -> str | None:

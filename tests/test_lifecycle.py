@@ -10,12 +10,14 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-from conftest import REPO, cli_env, leftovers, new_tag, small_disk, start, train, train_command, wait_for_event
+from conftest import REPO, TAG_ENV, cli_env, leftovers, new_tag, small_disk, start, train, train_command, wait_for_event
 
 from monarch_sky.common import checkpoints, test_hooks
 from monarch_sky.common.test_hooks import LEAK_ENV
+from monarch_sky.hosts.base import CONTROLLER_ENV
 
 # The checkpoint tests lose what node memory would keep (as when every node is lost): the last
 # resort is what they test (node memory: tests/test_controller_loss.py).
@@ -49,6 +51,10 @@ def test_new_controller_reaps_a_dead_controllers_processes(tmp_path):
     first = start(tmp_path, tag, "replicas=2", "steps=400", "faults=none", "ft.standby=false")
     try:
         wait_for_event(tmp_path / tag / "events.jsonl", "progress", timeout_s=300)
+        helpers = w_and_b_helpers(tag)
+        assert helpers, "expected the controller's W&B helpers (wandb-core)"
+        assert all(env.get(CONTROLLER_ENV) == tag for env in helpers.values()), \
+            f"the controller's helpers must carry its run id, so the next controller can reap them: {sorted(helpers)}"
         first.kill()  # the controller dies; its hosts and trainers do not
         first.communicate(timeout=30)
         orphans = leftovers(tag, grace_s=0)
@@ -65,6 +71,19 @@ def test_new_controller_reaps_a_dead_controllers_processes(tmp_path):
     assert restart["last_step"] > 0
     assert run.summary["previous_controller"]["last_step"] == restart["last_step"]
     assert run.leftovers == []
+
+
+def w_and_b_helpers(tag: str) -> dict[int, dict]:
+    """{pid: environment} of the W&B processes a run with `tag` started."""
+    found = {}
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        try:
+            env = p.environ()
+            if env.get(TAG_ENV) == tag and "wandb" in " ".join(p.info["cmdline"] or []):
+                found[p.pid] = env
+        except (psutil.Error, OSError):
+            continue
+    return found
 
 
 def test_a_process_that_outlives_the_runs_stop_is_named_in_the_summary_then_killed(tmp_path):
