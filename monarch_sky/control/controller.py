@@ -114,6 +114,7 @@ class Controller:
             if self.gate is not None:
                 self.gate.close()
         summary["left_running"] = self.left_running
+        summary["clusters_left_up"] = self.ctx.provider.left_up()
         return summary
 
     def partial_summary(self, outcome: dict[str, Any]) -> dict[str, Any]:
@@ -121,6 +122,7 @@ class Controller:
         summary = build_summary(self.ctx, self.slots, {}, {}, self.previous_controller)
         summary["outcome"] = outcome
         summary["left_running"] = self.left_running
+        summary["clusters_left_up"] = self.ctx.provider.left_up()
         return summary
 
     def _note_fault_fired(self, spec: str):

@@ -142,8 +142,10 @@ class HostReplacement:
         """A host declared dead may only be cut off (a partition): make sure its processes
         stop where the provider can reach them. Its replacement gets new TorchFT replica ids
         (each manager adds a fresh uuid), so old processes can never pose as the new group;
-        a provider that cannot stop hosts (fixed addresses, SkyPilot) skips this, not fails it."""
+        a provider that cannot stop hosts (fixed addresses, SkyPilot) retires it instead (a
+        replacement cluster goes down), and fails nothing."""
         if not self.ctx.provider.can_stop_hosts:
+            self.ctx.provider.retire(host)
             return
         await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing lost host {host.name}")
 

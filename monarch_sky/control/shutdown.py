@@ -50,8 +50,8 @@ async def stop_everything(ctx: RunContext, slots: list, lighthouse, forget_memor
     if left:
         ctx.record.event("left_running", processes=left)
         ctx.display.line(f"monarch-sky: {len(left)} processes of the run outlived its stop; killing them: {left}")
-    try:  # the provider gets a few seconds even when the stages above used up the time
-        await asyncio.wait_for(off_loop(ctx.provider.shutdown), max(deadline - time.monotonic(), 5.0))
+    try:  # the provider gets its own budget even when the stages above used up the time
+        await asyncio.wait_for(off_loop(ctx.provider.shutdown), max(deadline - time.monotonic(), ctx.provider.release_s))
     except Exception as e:
         reason = "did not finish in time" if isinstance(e, asyncio.TimeoutError) else str(e)
         ctx.record.event("provider_error", action="shutdown", error=reason)

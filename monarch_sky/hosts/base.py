@@ -59,6 +59,7 @@ class HostProvider(abc.ABC):
     """
 
     can_stop_hosts = False  # whether `kill` can take a host down (local ones: yes; bare addresses: no)
+    release_s = 5.0  # how long the run's end waits for `shutdown` (SkyPilot's cluster downs take minutes)
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -112,6 +113,15 @@ class HostProvider(abc.ABC):
     @abc.abstractmethod
     def provision(self, lost: Host) -> Host:
         """A new host for the group that ran on `lost` (no spare was left)."""
+
+    def retire(self, host: Host) -> None:
+        """`host` was lost and no group will use it again: stop paying for it if this provider
+        launched it (a replacement cluster). Must not block."""
+
+    def left_up(self) -> list[str]:
+        """What this provider launched and could not take down (after `shutdown`): the run's
+        summary names it, with the command that does."""
+        return []
 
     def kill(self, host: Host) -> None:
         """Take a host down abruptly (fault injection)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from monarch_sky.hosts.addresses import AddressListHosts
 from monarch_sky.hosts.base import HostProvider, parse_address
 from monarch_sky.hosts.local import LocalHosts
@@ -20,6 +22,7 @@ def make_provider(settings, run_id: str, log_dir: str) -> HostProvider:
             port=parse_address(settings.addresses[0], name="first").port,
             sky=settings.sky_cli,
             wait_s=settings.provision_timeout_s,
+            ledger=os.path.join(log_dir, "clusters.jsonl"),
         )
     if settings.provider == "addresses":
         return AddressListHosts(

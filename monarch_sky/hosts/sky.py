@@ -2,7 +2,8 @@
 
 A replacement is a new one-node cluster launched with the `sky` CLI from the recipe YAML
 the cluster came from (worker role only), on the same infra and region as this cluster
-(SkyPilot's SKYPILOT_CLUSTER_INFO), torn down when the run ends. Its address is what
+(SkyPilot's SKYPILOT_CLUSTER_INFO), taken down as soon as no group can use it and at the
+run's end. Its address is what
 `sky status --ip` prints: on Kubernetes the head pod's internal IP, on Slurm the node's
 address; recipes target no other infra. SkyPilot lives in its own venv (its click pin
 conflicts with wandb's), hence the CLI rather than its API. Every `sky` call is bounded,
@@ -12,17 +13,31 @@ and a run that shuts down ends a launch in flight.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
+import threading
 import time
 
 from monarch_sky.hosts.addresses import AddressListHosts
 from monarch_sky.hosts.base import Host, HostError
 
+log = logging.getLogger(__name__)
+
+
+DOWN_S = 600.0  # one `sky down`; the clusters go down side by side
+
 
 class SkyPilotHosts(AddressListHosts):
     """Replacement hosts are launched through the `sky` CLI (SkyPilot lives in its own venv:
-    its click pin conflicts with wandb's), from the recipe YAML the cluster came from."""
+    its click pin conflicts with wandb's), from the recipe YAML the cluster came from.
+
+    A cluster goes down as soon as no group can use it: a launch that failed or timed out, a
+    replacement that was lost, every one at the run's end (side by side, within `release_s`).
+    Each cluster's state is kept in `clusters` and, line by line, in `ledger` (the run record's
+    hosts/clusters.jsonl), so one left up is named with the command that takes it down."""
+
+    release_s = DOWN_S + 30.0
 
     def __init__(
         self,
@@ -33,6 +48,7 @@ class SkyPilotHosts(AddressListHosts):
         port: int = 26600,
         sky: str = "sky",
         wait_s: float = 1800.0,
+        ledger: str | None = None,
     ):
         super().__init__(addresses, controller_ip, wait_s=wait_s)
         self.cluster_info = this_cluster()
@@ -40,16 +56,28 @@ class SkyPilotHosts(AddressListHosts):
         self.cluster_prefix = cluster_prefix
         self.port = port
         self.sky = sky
-        self.launched: list[str] = []
+        self.ledger = ledger
+        self.clusters: dict[str, str] = {}  # name -> launching, up, going down, down, left up
+        self._downs: dict[str, threading.Thread] = {}
 
     def provision(self, lost: Host) -> Host:
+        with self.lock:  # two groups lost in one tick get two clusters
+            cluster = f"{self.cluster_prefix}-r{len(self.clusters)}"
+            self._note(cluster, "launching")
+        try:
+            host = self._launch(cluster)
+        except BaseException:
+            self._take_down(cluster)  # whatever SkyPilot brought up of it is of no use now
+            raise
+        with self.lock:
+            self._note(cluster, "up")
+        return host
+
+    def _launch(self, cluster: str) -> Host:
         import tempfile
 
         import yaml
 
-        with self.lock:  # two groups lost in one tick get two clusters
-            cluster = f"{self.cluster_prefix}-r{len(self.launched)}"
-            self.launched.append(cluster)
         config = replacement_task(load_recipe(self.recipe_yaml), cluster, self.port, self.cluster_info)
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             yaml.safe_dump(config, f)
@@ -61,19 +89,55 @@ class SkyPilotHosts(AddressListHosts):
         self._wait_up(host)
         return host
 
+    def retire(self, host: Host) -> None:
+        if host.name in self.clusters:  # a lost replacement: no group comes back to it
+            self._take_down(host.name)
+
     def shutdown(self) -> None:
-        """Take down every replacement cluster; raises HostError naming any left up."""
+        """Take down every replacement cluster, side by side; raises HostError naming any left up."""
         super().shutdown()
-        failed = []
         with self.lock:
-            launched = list(self.launched)
-        for cluster in launched:
-            try:
-                self._sky("down", "-y", cluster, timeout_s=600, cancellable=False)
-            except HostError as e:
-                failed.append(f"{cluster} ({e})")
-        if failed:
-            raise HostError(f"replacement clusters may still be up, take them down with `sky down`: {'; '.join(failed)}")
+            names = list(self.clusters)
+        threads = [self._take_down(name) for name in names]
+        deadline = time.monotonic() + DOWN_S + 10.0
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        left = self.left_up()
+        if left:
+            raise HostError(f"replacement clusters may still be up: take them down with `{down_command(left)}`")
+
+    def left_up(self) -> list[str]:
+        with self.lock:
+            return [name for name, state in self.clusters.items() if state != "down"]
+
+    def _take_down(self, cluster: str) -> threading.Thread:
+        """`sky down` the cluster in the background (once); the run's shutdown does not cut it short."""
+        with self.lock:
+            thread = self._downs.get(cluster)
+            if thread is None:
+                thread = threading.Thread(target=self._down, args=(cluster,), name=f"sky-down-{cluster}", daemon=True)
+                self._downs[cluster] = thread
+                self._note(cluster, "going down")
+                thread.start()
+        return thread
+
+    def _down(self, cluster: str) -> None:
+        try:
+            self._sky("down", "-y", cluster, timeout_s=DOWN_S, cancellable=False)
+            state = "down"
+        except HostError as e:
+            state = "left up"
+            log.warning("replacement cluster %s may still be up (%s): take it down with `%s`", cluster, e,
+                        down_command([cluster]))
+        with self.lock:
+            self._note(cluster, state)
+
+    def _note(self, cluster: str, state: str) -> None:
+        """Under `self.lock`: the cluster's new state, also in the ledger."""
+        self.clusters[cluster] = state
+        if self.ledger:
+            with open(self.ledger, "a") as f:
+                f.write(json.dumps({"wall": round(time.time(), 3), "cluster": cluster, "state": state}) + "\n")
 
     def _sky(self, *args: str, timeout_s: float | None = None, cancellable: bool = True) -> str:
         """Run the sky CLI; a run that shuts down ends a cancellable call at once."""
@@ -100,6 +164,10 @@ class SkyPilotHosts(AddressListHosts):
             if proc.returncode != 0:
                 raise HostError(f"`{command}` exited {proc.returncode}: {err.read().strip()[-500:]}")
             return out.read()
+
+
+def down_command(clusters: list[str]) -> str:
+    return f"sky down -y {' '.join(clusters)}"
 
 
 def sky_cli_problem(sky: str, timeout_s: float = 120.0) -> str | None:

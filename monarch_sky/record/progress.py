@@ -178,6 +178,9 @@ def format_summary(s: dict[str, Any]) -> str:
         out.append(f"  replica {lost['replica']} was lost: {lost['reason']}")
     for replica, reason in (s.get("final_state_errors") or {}).items():
         out.append(f"  replica {replica}: final state could not be read: {reason}")
+    if s.get("clusters_left_up"):  # last, where a reader looks for what to do next
+        out.append(f"  STILL UP, still billed: replacement clusters {', '.join(s['clusters_left_up'])}; "
+                   f"take them down with `sky down -y {' '.join(s['clusters_left_up'])}`")
     return "\n".join(out)
 
 
