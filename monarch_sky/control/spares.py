@@ -29,12 +29,12 @@ from monarch_sky.common import test_hooks
 from monarch_sky.common.supervision import describe_error, resolved
 from monarch_sky.control.context import RunContext, off_loop
 from monarch_sky.control.detection import HostWatchdog, probe_hosts, unless_a_host_dies
+from monarch_sky.control.spare_refills import SpareRefills
 from monarch_sky.control.host_replacement import PROBE_EVERY_S, PROBE_TIMEOUT_S, attach_hosts
 from monarch_sky.hosts.base import Host
 from monarch_sky.recipes import TrainerSpec
 from monarch_sky.replica.actor import ReplicaGroup
 
-MAX_FAILURES_IN_A_ROW = 3  # spares that failed to come up before the pool stops refilling
 SPARE_INDEX = -1  # a warm process set in no group yet
 WARM_STEPS = 4  # a warm-up's steps (attach, spawn, imports, the warm-up step), each bounded by timeouts.spawn_s
 
@@ -51,7 +51,7 @@ class Spare:
         return round(now - self.ready_at, 3)
 
 
-class SparePool:
+class SparePool(SpareRefills):
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         self.size = ctx.cfg.hosts.spares
@@ -83,43 +83,6 @@ class SparePool:
                                   "a lost host beyond those waits for a replacement")
         await asyncio.gather(*(self._bring(host) for host in hosts))
         self.started = True
-
-    def refill(self, lost: Host) -> None:
-        """A spare was used or dropped in place of `lost`: ask the provider for another."""
-        if not self.ctx.finishing:
-            self.ctx.in_background(self._order(lost))
-
-    async def _order(self, lost: Host) -> None:
-        call = asyncio.ensure_future(off_loop(self.ctx.provider.replace, lost))
-        me = asyncio.current_task()
-        self.refills[me] = call
-        try:  # shield: a host that comes after the wait goes back to the provider, not lost
-            host = await asyncio.wait_for(asyncio.shield(call), self.ctx.cfg.hosts.provision_timeout_s)
-        except Exception as e:
-            call.add_done_callback(self._give_back_late)
-            timeout_s = self.ctx.cfg.hosts.provision_timeout_s
-            reason = f"no host within {timeout_s:g}s" if isinstance(e, asyncio.TimeoutError) else describe_error(e)
-            self.ctx.record.event("spare_refill_failed", instead_of=lost.address, reason=reason)
-            return
-        finally:
-            self.refills.pop(me, None)
-        await self._bring(host)
-
-    def claim_refill(self, lost: Host) -> asyncio.Future | None:
-        """A refill the provider has not delivered yet, for a group that lost `lost` while no
-        spare was ready: the group gets that host when it comes (ordered before the group's own
-        would be), and the pool orders another for itself. None if no refill is in flight."""
-        for order, call in list(self.refills.items()):
-            if not call.done():
-                del self.refills[order]
-                order.cancel()  # the pool stops waiting; the call itself goes on, for the group
-                self.refill(lost)
-                return call
-        return None
-
-    def _give_back_late(self, call: asyncio.Future) -> None:
-        if not call.cancelled() and call.exception() is None:
-            self.ctx.provider.give_back(call.result())
 
     async def _bring(self, host: Host) -> None:
         """Attach `host` and warm a process set on it: the pool's spare, or the group's that
@@ -201,29 +164,43 @@ class SparePool:
                 await group.warm_up_step(spec, ctx.cfg.hosts.spare_warm_up, ctx.cfg.timeouts.spawn_s)
             except BaseException:
                 ctx.forget_group(group)
-                group.proc_mesh = None  # the host may be dead: its worker stops them at the end
+                await self._stop_or_abandon(group)
                 raise
         if self.started and test_hooks.refill_warm_delay_s():
             await asyncio.sleep(test_hooks.refill_warm_delay_s())
         return Spare(host, mesh, group, time.monotonic(), began)
 
+    async def _stop_or_abandon(self, group: ReplicaGroup) -> None:
+        """A warm process set that failed: stopped where its host answers (the next set on that
+        host would share its accelerators), left to its worker's end where the host is dead
+        (stopping it there could hang)."""
+        if await self.ctx.provider.probe(group.hosts[0], PROBE_TIMEOUT_S):
+            try:
+                await group.stop(self.ctx.cfg.timeouts.stop_s)
+                return
+            except Exception as e:
+                self.ctx.record.event("spare_stop_failed", host=group.hosts[0].address, error=describe_error(e))
+        group.proc_mesh = None
+
+    async def _fence(self, host: Host) -> None:
+        """A spare host declared dead: stopped where the provider can stop hosts, else retired
+        (a launched cluster goes down; a node of the cluster is left to come back)."""
+        provider = self.ctx.provider
+        if provider.can_stop_hosts:
+            await self.ctx.provider_call(provider.kill, host, what=f"fencing spare host {host.name}")
+        else:
+            provider.retire(host)
+
     async def _failed(self, host: Host, reason: str, alive: bool) -> None:
         """A spare that could not be brought up: a dead host is fenced and replaced; a live
-        one is given back to the provider, and the pool tries again a few times."""
-        self.failures += 1
-        self.ctx.record.event("spare_failed", host=host.address, reason=reason, host_alive=alive)
+        one is given back to the provider, and the pool tries again (a few times in a row)."""
         self.ctx.display.line(f"monarch-sky: spare host {host.name} could not be warmed: {reason}")
-        if self.ctx.finishing:
-            return
-        if alive:
-            self.ctx.provider.give_back(host)
-        else:
-            await self.ctx.provider_call(self.ctx.provider.kill, host, what=f"fencing spare host {host.name}")
-        if self.failures < MAX_FAILURES_IN_A_ROW:
-            self.refill(host)
-        else:
-            self.ctx.record.event("spares_given_up", failures=self.failures)
-            self.ctx.display.line(f"monarch-sky: {self.failures} spares in a row failed; the pool stops refilling")
+        if not self.ctx.finishing:
+            if alive:
+                self.ctx.provider.give_back(host)
+            else:
+                await self._fence(host)
+        self._count_failure(host, "spare_failed", host=host.address, reason=reason, host_alive=alive)
 
     async def take(self, lost: Host) -> Spare | None:
         """A live spare for a group that lost `lost` (the pool refills in its place), or None."""
@@ -265,7 +242,7 @@ class SparePool:
             return
         if spare.group is not None:
             spare.group.proc_mesh = None  # stopping it on a dead host could hang
-        await self.ctx.provider_call(self.ctx.provider.kill, spare.host, what=f"fencing spare host {spare.host.name}")
+        await self._fence(spare.host)
         self.refill(spare.host)
 
     async def release(self) -> None:
