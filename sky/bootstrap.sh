@@ -25,7 +25,9 @@
 #        worker roles. Job-group recipes set `recover_on_exit_codes: [75]` so a bad host is
 #        replaced without spending `max_restarts_on_errors`. Nothing else exits 75.
 #   N    a worker here died on its own: its exit status (137: SIGKILL, e.g. the OOM killer;
-#        a worker's own 75 becomes 1, since 75 is this script's verdict on the host)
+#        a worker's own 75 becomes 1, since 75 is this script's verdict on the host); in the
+#        worker role only: a cluster node (rank > 0) exits 0 then, saying so, since one node's
+#        non-zero run makes SkyPilot cancel every node's (the controller absorbs the loss)
 #   1-5  on node rank 0 and in the controller role: `monarch-sky train`'s code (its workers'
 #        deaths are already in that verdict; 5: another node's controller took the run over);
 #        on a node whose standby took the run over, the same code of its controller; anywhere:
@@ -345,7 +347,15 @@ case "$ROLE" in
       wait_workers || RC=$?
       SRC=0
       wait "$STANDBY" || SRC=$?
-      [ ! -f "$STATE/took-over" ] || RC=$SRC  # this node's controller drove the run to its end: its verdict
+      if [ -f "$STATE/took-over" ]; then
+        RC=$SRC  # this node's controller drove the run to its end: its verdict
+      elif [ "$RC" -ne 0 ]; then
+        # A non-zero run on one node makes SkyPilot cancel every node's run (Ray-based infras:
+        # backends/task_codegen.py; Slurm: srun --kill-on-bad-exit): the run would end for a loss
+        # the controller already absorbs (the group goes on on a spare, a comeback, or not at all).
+        say "node $RANK: its worker ended with status $RC; the run goes on without it (node 0's summary says how), so this node's run exits 0"
+        RC=0
+      fi
       exit "$RC"
     fi
     cluster_train_args

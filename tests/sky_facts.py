@@ -6,8 +6,9 @@ conflicts with wandb's and huggingface-hub's.
     sky_facts.py --replacement RECIPE INFO    the task monarch-sky launches for a lost node
     sky_facts.py --k8s RECIPE LABEL           the recipe on a fake AMD Kubernetes cluster
     sky_facts.py --slurm-names GRES...        which recipe accelerator names match each GRES type
-    sky_facts.py --launch WORDS...            what `sky WORDS` (launch, jobs launch) builds before any cloud call
+    sky_facts.py --launch WORDS...            what `sky WORDS` (launch, jobs launch, exec) builds before any cloud call
     sky_facts.py --pod RECIPE                 the container spec SkyPilot merges the recipe's kubernetes.pod_config into
+    sky_facts.py --driver RECIPE              the Ray driver program SkyPilot runs on the head for the recipe's `run`
 """
 
 import json
@@ -139,7 +140,7 @@ def launch_facts(words: list[str]) -> dict:
     from sky import execution
     from sky.client.cli import command
 
-    commands = {("launch",): command.launch, ("jobs", "launch"): command.jobs_launch}
+    commands = {("launch",): command.launch, ("jobs", "launch"): command.jobs_launch, ("exec",): command.exec}
     size = 2 if words[:1] == ["jobs"] else 1
     cmd = commands[tuple(words[:size])]
     try:
@@ -153,8 +154,26 @@ def launch_facts(words: list[str]) -> dict:
     except (click.UsageError, RuntimeError, ValueError) as e:
         return {"error": f"{type(e).__name__}: {e.format_message() if isinstance(e, click.UsageError) else e}"}
     return {"error": None, "tasks": {t.name: {"num_nodes": t.num_nodes, "secrets": sorted(t.secrets),
+                                              "role": t.envs.get("MONARCH_SKY_ROLE"),
                                               "empty_secrets": sorted(k for k, v in t.secrets.items() if not v.get_secret_value())}
                                      for t in dag.tasks}}
+
+
+def driver_facts(recipe_path: str) -> dict:
+    """The program SkyPilot's job driver runs for the recipe on a Ray-based infra (Kubernetes),
+    as `CloudVmRayBackend._execute_task_n_nodes` builds it: one Ray task per node."""
+    from sky.backends import task_codegen
+
+    task = sky.Task.from_yaml(recipe_path)
+    nodes, resources = task.num_nodes, {"CPU": 1.0, "MI300X": 8.0}
+    codegen = task_codegen.RayCodeGen()
+    codegen.add_prologue(job_id=1)
+    codegen.add_setup(nodes, dict(resources), stable_cluster_internal_ips=[f"10.0.0.{i + 1}" for i in range(nodes)],
+                      env_vars={}, log_dir="~/sky_logs/x", setup_cmd=None)
+    codegen.add_task(nodes, bash_script=task.run, task_name=task.name, resources_dict=dict(resources),
+                     log_dir="~/sky_logs/x", env_vars={})
+    codegen.add_epilogue()
+    return {"code": codegen.build()}
 
 
 def pod_facts(recipe_path: str) -> dict:
@@ -181,6 +200,8 @@ def main(args: list[str]) -> None:
         out = k8s_facts(args[1], args[2])
     elif args[:1] == ["--pod"]:
         out = pod_facts(args[1])
+    elif args[:1] == ["--driver"]:
+        out = driver_facts(args[1])
     elif args[:1] == ["--launch"]:
         out = launch_facts(args[1:])
     elif args[:1] == ["--slurm-names"]:

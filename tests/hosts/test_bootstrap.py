@@ -210,6 +210,27 @@ def test_a_killed_worker_fails_its_node_and_the_bootstrap_that_adopted_it(tmp_pa
     assert leftovers(tag) == []
 
 
+def test_a_cluster_node_whose_worker_dies_for_good_does_not_fail_the_others(tmp_path):
+    # One node's non-zero run makes SkyPilot cancel every node's run (Ray's driver,
+    # backends/task_codegen.py; Slurm's srun --kill-on-bad-exit), which would end a run the
+    # controller goes on with. Node 1 of two: node 0 (nothing at 127.0.0.2) never answered,
+    # so its standby stays out of the way.
+    tag, port = new_tag(), free_port()
+    env = node_env(tag, tmp_path, "cluster", port, SKYPILOT_NODE_RANK="1", SKYPILOT_NODE_IPS="127.0.0.2\n127.0.0.1",
+                   SKYPILOT_NUM_NODES="2", WORKER_RESTARTS="0")
+    try:
+        node = Node(env, tmp_path / "node1.log")
+        node.wait_for("standing by to take the run over")
+        os.kill(worker_pid(tmp_path / "state", port), signal.SIGKILL)
+        rc = node.finish(timeout_s=120)
+    finally:
+        kill_tagged(tag)
+    assert rc == 0, node.output
+    assert f"worker on port {port} exited with status 137" in node.output
+    assert "its worker ended with status 137; the run goes on without it" in node.output
+    assert leftovers(tag) == []
+
+
 def test_a_pidfile_naming_another_process_is_not_adopted(tmp_path):
     tag, port = new_tag(), free_port()
     state = tmp_path / "state"

@@ -113,6 +113,37 @@ def test_each_recipes_header_command_is_accepted_by_skypilot_as_written(recipe):
             assert {"MONARCH_SKY_TLS_CA", "MONARCH_SKY_TLS_CA_KEY"} <= set(task["secrets"]) - set(task["empty_secrets"])
 
 
+def test_the_command_for_a_node_that_came_back_is_accepted_by_skypilot_as_docs_cloud_gives_it():
+    # docs/cloud.md: with the launch's own secrets (the same CA), every node runs the worker role.
+    [command] = re.findall(r"`(sky exec <cluster> [^`]+)`", " ".join((REPO / "docs" / "cloud.md").read_text().split()))
+    header = header_commands(REPO / "recipes" / "llama.yaml")
+    [launch] = [c for c in header if c.startswith("sky launch")]
+    secrets = " ".join(w for pair in re.findall(r"--secret \S+", launch) for w in pair.split())
+    environ = {"HOME": os.environ["HOME"], "HF_TOKEN": "hf_x"}
+    [facts] = run_header([*(c for c in header if not c.startswith("sky ")),
+                          f"{command.replace('<cluster>', 'llama')} {secrets}"], environ)
+    assert facts["error"] is None, facts["error"]
+    [task] = facts["tasks"].values()
+    assert task["role"] == "worker" and task["num_nodes"] == 3
+
+
+def test_on_kubernetes_skypilot_cancels_every_node_for_a_failed_run_but_not_for_a_lost_pod():
+    # What docs/cloud.md builds on, in the program SkyPilot's job driver runs on the head pod for
+    # llama.yaml (its own code generates it): one Ray task per node in a STRICT_SPREAD placement
+    # group; the first non-zero code cancels the others (hence a cluster node's bootstrap exits 0
+    # when its worker is gone for good); a lost pod returns no code and its task has Ray's
+    # default retries (no max_retries), which wait for a bundle no surviving node may take.
+    proc = subprocess.run([str(SKY_PYTHON), "tests/sky_facts.py", "--driver", "recipes/llama.yaml"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = json.loads(proc.stdout.splitlines()[-1])["code"]
+    node_tasks = [line for line in code.splitlines() if line.strip().startswith(".options(name=name_str")]
+    assert len(node_tasks) == 3 and not any("max_retries" in line for line in node_tasks), node_tasks
+    assert "'STRICT_SPREAD'" in code or '"STRICT_SPREAD"' in code
+    cancel = code[code.index("if res['return_code'] != 0:"):code.index("ray.cancel(task, force=True)")]
+    assert "failed = True" in cancel and "if failed:" in cancel, cancel
+
+
 def test_a_launch_without_the_ca_is_refused_by_skypilot_naming_the_missing_secrets():
     """The check above bites: the llama header without its CA is what the recipes said before."""
     commands = [c.replace(" --secret MONARCH_SKY_TLS_CA --secret MONARCH_SKY_TLS_CA_KEY", "")
