@@ -256,10 +256,15 @@ def _load(args):
 def _config(args) -> int:
     from monarch_sky.config import EXIT_CONFIG, resolved_yaml
 
+    from monarch_sky.common import hub_assets
+
     job = _load(args)
     if job is None:
         return EXIT_CONFIG
     print(resolved_yaml(job), end="")
+    missing = hub_assets.tokenizer_problem(job.config.data)
+    if missing:  # a preview of a cloud recipe: its nodes fetch the tokenizer at setup
+        print(f"monarch-sky: note: `train` here would refuse: {missing}", file=sys.stderr)
     return 0
 
 
@@ -270,6 +275,12 @@ def _train(args) -> int:
         os.environ["MONARCH_SKY_LOG"] = args.log_level
     job = _load(args)
     if job is None:
+        return EXIT_CONFIG
+    from monarch_sky.common import hub_assets
+
+    missing = hub_assets.tokenizer_problem(job.config.data)
+    if missing:
+        print(f"monarch-sky: config error: {missing}", file=sys.stderr)
         return EXIT_CONFIG
     from monarch_sky import standby
     from monarch_sky.run import new_run_id, run_job

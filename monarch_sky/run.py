@@ -16,6 +16,7 @@ from datetime import datetime
 from monarch_sky.control.checkpoint_resume import (
     CheckpointMismatch, attempt_from_checkpoint, fired_before, restart_message, resume_from,
 )
+from monarch_sky.common import hub_assets
 from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
 from monarch_sky.control.controller import Controller
 from monarch_sky.control.memory_restore import Superseded
@@ -73,7 +74,7 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
     os.environ.setdefault("RUST_LOG", "warn")
     _log_to_console()
     cfg = job.config
-    refused = insecure_heal(cfg)
+    refused = insecure_heal(cfg) or hub_assets.tokenizer_problem(cfg.data)
     if refused:
         print(f"monarch-sky: config error: {refused}", file=sys.stderr)
         return EXIT_CONFIG

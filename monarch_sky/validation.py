@@ -148,7 +148,7 @@ def _validate_data(data: DictConfig) -> None:
     if not data.tokenizer_path and not data.tokenizer_repo:
         raise ConfigError("data.tokenizer_path: empty; name a tokenizer folder, or a hub repo in data.tokenizer_repo")
     problem = hub_assets.tokenizer_problem(data)
-    if problem:
+    if problem and not hub_assets.fetched_later(data):  # a hub tokenizer: `train` needs it, a preview does not
         raise ConfigError(problem)
     if data.dataset not in hub_assets.DATASETS:
         raise ConfigError(f"data.dataset: '{data.dataset}' is not one of {', '.join(hub_assets.DATASETS)}")

@@ -67,6 +67,19 @@ def test_config_prints_the_resolved_config_which_reads_back_as_the_same_job(tmp_
     assert again.returncode == 0 and yaml.safe_load(again.stdout) == printed
 
 
+def test_a_cloud_recipe_previews_on_a_fresh_machine_with_no_token(tmp_path):
+    # The README and `--help` give `config recipe=llama3_8b` to preview the cloud settings: its
+    # tokenizer is fetched at setup on the nodes, so only `train` needs it.
+    env = {**cli_env(), "HOME": str(tmp_path), "MONARCH_SKY_CACHE": str(tmp_path / "cache")}
+    env.pop("HF_TOKEN", None)
+    out = cli("config", "recipe=llama3_8b", env=env)
+    assert out.returncode == 0, out.stderr
+    assert yaml.safe_load(out.stdout)["data"]["tokenizer_repo"] == "meta-llama/Llama-3.1-8B"
+    assert "`train` here would refuse" in out.stderr and "fetch-tokenizer meta-llama/Llama-3.1-8B" in out.stderr
+    refused = cli("train", "recipe=llama3_8b", env=env)
+    assert refused.returncode == 2 and "fetch-tokenizer meta-llama/Llama-3.1-8B" in refused.stderr, refused.stderr
+
+
 def test_config_file_sits_under_the_overrides_and_over_the_recipe(tmp_path):
     job = tmp_path / "job.yaml"
     job.write_text("replicas: 2\nsteps: 30\ntraining:\n  lr: 0.01\nft.sync_steps: 5\n")

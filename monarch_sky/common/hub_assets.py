@@ -55,6 +55,13 @@ def tokenizer_problem(data) -> str | None:
             f"Hugging Face tokenizer folder, or set data.tokenizer_repo and run `monarch-sky fetch-tokenizer`")
 
 
+def fetched_later(data) -> bool:
+    """The tokenizer comes from the hub (`data.tokenizer_repo`): `monarch-sky fetch-tokenizer`
+    or sky/setup.sh fetches it where the run trains, so a job that lacks it still validates
+    (`config` previews it anywhere); `train` refuses to start without it."""
+    return bool(data.tokenizer_repo) and not data.tokenizer_path
+
+
 def offline(data) -> bool:
     """Whether trainers must keep off the hub: their data is a local folder (the shipped
     default, a bucket mount). Streaming a hub dataset needs it on."""

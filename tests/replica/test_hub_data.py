@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,7 @@ def fetch(hub: FakeHub, cache: Path, token: str | None) -> subprocess.CompletedP
 
 
 def test_a_gated_tokenizer_needs_a_token_with_access_and_only_its_files_arrive(tmp_path, tokenizer, monkeypatch):
-    from monarch_sky.config import ConfigError, load_job
+    from monarch_sky.config import load_job
 
     hub, cache = FakeHub(REPO_ID, tokenizer_files(tokenizer), token="hf_granted", gated=True), tmp_path / "cache"
     job = ("recipe=llama3_tiny", "data.tokenizer_path=null", f"data.tokenizer_repo={REPO_ID}")
@@ -106,8 +107,11 @@ def test_a_gated_tokenizer_needs_a_token_with_access_and_only_its_files_arrive(t
             assert refused.returncode == 2
             assert f"HF_TOKEN: {REPO_ID} is gated and {who}; fix: accept its license" in refused.stderr
             assert "hf_other" not in refused.stdout + refused.stderr  # the token is never printed
-        with pytest.raises(ConfigError, match="data.tokenizer_repo: .* monarch-sky fetch-tokenizer"):
-            load_job(list(job))
+        assert load_job(list(job)), "a preview (`config`) needs no tokenizer yet"
+        refused = subprocess.run([sys.executable, "-m", "monarch_sky", "train", *job], cwd=REPO, capture_output=True,
+                                 text=True, timeout=120, env={**os.environ, "MONARCH_SKY_CACHE": str(cache)})
+        assert refused.returncode == 2 and "data.tokenizer_repo: " in refused.stderr, refused.stderr
+        assert "monarch-sky fetch-tokenizer" in refused.stderr
         fetched = fetch(hub, cache, "hf_granted")
         assert fetched.returncode == 0, fetched.stderr
     finally:
