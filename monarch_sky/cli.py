@@ -88,7 +88,8 @@ def _parser(command: str | None) -> Parser:
     train.add_argument("--log-level", choices=("debug", "info", "warning"), default=None,
                        help="the console's log level (default: $MONARCH_SKY_LOG or warning); the run folder's "
                        "controller.log keeps INFO and up (DEBUG with debug) and every traceback")
-    config = sub.add_parser("config", help="print the resolved config of a train command, validated (exit 2 on errors)")
+    config = sub.add_parser("config", help="print the resolved config of a train command, validated (exit 2 on errors)",
+                            more_help=_keys_help, formatter_class=argparse.RawDescriptionHelpFormatter)
     _job_arguments(config)
 
     worker = sub.add_parser("worker", help="run this host's Monarch worker loop")

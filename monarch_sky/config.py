@@ -7,6 +7,7 @@ message naming the field and what is allowed; nothing is spawned before this pas
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -90,7 +91,7 @@ class HostSettings:
 @dataclass
 class ChaosSettings:
     every_s: float = 0.0  # mean seconds between random faults (exponential gaps); 0: off
-    kinds: list[str] = field(default_factory=lambda: ["kill", "segfault", "comms", "hang", "stop", "host"])
+    kinds: list[str] = field(default_factory=lambda: ["kill", "segfault", "comms", "hang", "stop", "host"])  # what chaos draws from
     seed: int = 0  # the chaos schedule's own seed
     during_recovery: float = 0.0  # share of draws that, finding a group recovering, hit its heal instead
 
@@ -254,6 +255,12 @@ def _describe(e: OmegaConfBaseException) -> str:
         return f"{key}: unknown config key; allowed keys{' under ' + parent if parent else ''}: {', '.join(allowed)}"
     if "Missing mandatory value" in msg:
         return f"{key}: no value; set it with {key}=VALUE"
+    wrong = re.match(r"Value '(.*)' (?:of type '\w+' could not be converted to (Integer|Float)|is not a valid bool)", msg)
+    if wrong and key:
+        value, kind = wrong.groups()
+        want = {"Integer": "a whole number; write it as {key}=500 (digits only: 1e3 is a float)",
+                "Float": "a number; write it as {key}=0.5 or {key}=3e-4"}.get(kind, "true or false; write it as {key}=true")
+        return f"{key}: '{value}' is not " + want.format(key=key)
     return f"{key}: {msg}" if key else msg
 
 

@@ -55,6 +55,14 @@ def test_train_help_lists_every_config_key_with_its_default():
     assert "replicas=3" in out and "training.lr=0.003" in out, "the default recipe's own values"
 
 
+def test_config_help_lists_the_keys_it_promises():
+    out = cli("config", "--help")
+    assert out.returncode == 0 and "(keys below)" in out.stdout
+    assert "  replicas=" in out.stdout and "chaos.kinds=[kill," in out.stdout
+    kinds = next(line for line in out.stdout.splitlines() if "chaos.kinds=" in line)
+    assert kinds.split("]", 1)[1].strip(), "every key says what it is"
+
+
 def test_config_prints_the_resolved_config_which_reads_back_as_the_same_job(tmp_path):
     out = cli("config", "replicas=2", "steps=40", "ft.mode=diloco", "ft.sync_steps=10")
     assert out.returncode == 0, out.stderr
@@ -94,6 +102,10 @@ def test_config_file_sits_under_the_overrides_and_over_the_recipe(tmp_path):
     (["config", "--training.stepz", "10"], ["training.stepz", "unknown config key", "seq_len"]),
     (["train", "--bogus"], ["unrecognized arguments: --bogus", "KEY=VALUE"]),
     (["bench", "stepz=3"], ["unrecognized arguments: --stepz", "KEY=VALUE"]),
+    (["config", "steps=abc"], ["steps: 'abc' is not a whole number", "steps=500"]),
+    (["config", "steps=1e3"], ["steps:", "is not a whole number", "1e3 is a float"]),
+    (["config", "training.lr=fast"], ["training.lr: 'fast' is not a number", "training.lr=3e-4"]),
+    (["config", "ft.standby=maybe"], ["ft.standby: 'maybe' is not true or false", "ft.standby=true"]),
 ])
 def test_bad_settings_exit_2_naming_the_field(argv, says):
     out = cli(*argv)

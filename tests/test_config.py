@@ -14,7 +14,7 @@ from monarch_sky.faults.spec import Fault, FaultSpecError, parse_faults
 BAD = [
     (["replicas=0"], ["replicas", ">= 1"]),
     (["steps=0"], ["steps", ">= 1"]),
-    (["replicas=abc"], ["replicas", "Integer"]),
+    (["replicas=abc"], ["replicas", "not a whole number"]),
     (["recipe=gpt5"], ["recipe", "gpt5", "llama3_tiny"]),
     (["bogus=1"], ["bogus", "unknown config key", "replicas"]),
     (["ft.bogus=1"], ["ft.bogus", "unknown config key", "sync_steps"]),
