@@ -277,12 +277,6 @@ def _train(args) -> int:
     job = _load(args)
     if job is None:
         return EXIT_CONFIG
-    from monarch_sky.common import hub_assets
-
-    missing = hub_assets.tokenizer_problem(job.config.data)
-    if missing:
-        print(f"monarch-sky: config error: {missing}", file=sys.stderr)
-        return EXIT_CONFIG
     from monarch_sky import standby
     from monarch_sky.run import new_run_id, run_job
 

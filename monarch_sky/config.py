@@ -37,8 +37,8 @@ class TrainingSettings:
 class DataSettings:
     tokenizer_path: Optional[str] = str(ASSETS / "tokenizer")  # None: where tokenizer_repo was fetched to
     tokenizer_repo: Optional[str] = None  # the hub repository `monarch-sky fetch-tokenizer` fetches
-    dataset: str = "c4_test"  # torchtitan's local-json loader; "c4", "fineweb_edu" stream from the Hub
-    dataset_path: Optional[str] = str(ASSETS / "data")  # a local dataset's folder (None: the Hub's)
+    dataset: str = "local_text"  # your own text at dataset_path; "c4", "fineweb_edu" stream from the Hub
+    dataset_path: Optional[str] = str(ASSETS / "data")  # local text, or a local copy of a hub dataset (None: the Hub's)
 
 
 @dataclass

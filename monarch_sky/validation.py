@@ -13,6 +13,7 @@ import re
 from omegaconf import DictConfig, OmegaConf
 
 from monarch_sky.faults.spec import CONTROLLER, KINDS, PROCESS_KINDS, SERVE, Fault
+from monarch_sky.recipes import RECIPES
 
 
 class ConfigError(ValueError):
@@ -122,7 +123,7 @@ def validate(config: DictConfig) -> None:
             f"{config.ft.sync_steps}; in diloco mode the run must end on a sync"
         )
     _validate_hosts(config)
-    _validate_data(config.data)
+    _validate_data(config.data, config.recipe, RECIPES[config.recipe].vocab_size)
     _validate_checkpoint(config.checkpoint)
 
 
@@ -142,7 +143,7 @@ def _validate_checkpoint(checkpoint: DictConfig) -> None:
             )
 
 
-def _validate_data(data: DictConfig) -> None:
+def _validate_data(data: DictConfig, recipe: str, model_vocab: int) -> None:
     from monarch_sky.common import hub_assets
 
     if not data.tokenizer_path and not data.tokenizer_repo:
@@ -154,6 +155,12 @@ def _validate_data(data: DictConfig) -> None:
         raise ConfigError(f"data.dataset: '{data.dataset}' is not one of {', '.join(hub_assets.DATASETS)}")
     if data.dataset_path is not None and not os.path.exists(os.path.expanduser(data.dataset_path)):
         raise ConfigError(f"data.dataset_path: no such file or directory '{data.dataset_path}'")
+    if data.dataset == hub_assets.LOCAL_TEXT and (problem := hub_assets.local_text_problem(data.dataset_path)):
+        raise ConfigError(problem)
+    vocab = hub_assets.tokenizer_vocab(data)
+    if vocab is not None and vocab > model_vocab:
+        raise ConfigError(f"data.tokenizer_path: the tokenizer makes {vocab} token ids, but recipe {recipe}'s model "
+                          f"embeds {model_vocab}; use the model's own tokenizer (its data.tokenizer_repo)")
 
 
 def _validate_hosts(config: DictConfig) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -170,3 +171,21 @@ def test_a_controller_fault_takes_no_replica_and_may_run_on_one_group():
 def test_config_error_is_a_value_error_with_the_field():
     with pytest.raises(ConfigError, match="^procs_per_replica: must be >= 1"):
         load_job(["procs_per_replica=0"])
+
+
+def test_local_text_names_what_it_needs(tmp_path):
+    assert load_job([]).config.data.dataset == "local_text", "the shipped stories are local text"
+    with pytest.raises(ConfigError, match="data.dataset_path: local_text reads your own text"):
+        load_job(["data.dataset=local_text", "data.dataset_path=null"])
+    (tmp_path / "notes.md").write_text("# not text records\n")
+    with pytest.raises(ConfigError, match=r"data.dataset_path: .* holds no .jsonl"):
+        load_job(["data.dataset=local_text", f"data.dataset_path={tmp_path}"])
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
+    vocab = {f"t{i}": i for i in range(600)}  # the tiny model embeds 512 ids
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE", "vocab": vocab}, "added_tokens": []}))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match="data.tokenizer_path: the tokenizer makes 600 token ids, but recipe "
+                                          "llama3_tiny's model embeds 512"):
+        load_job(["recipe=llama3_tiny", f"data.tokenizer_path={tmp_path}"])

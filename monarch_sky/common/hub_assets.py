@@ -15,8 +15,11 @@ from functools import partial
 from pathlib import Path
 
 TOKENIZER_FILES = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json"]
-# TorchTitan's own datasets, and the one `register_datasets` adds.
-DATASETS = ("c4_test", "c4", "c4_validation", "fineweb_edu")
+# Your own text (a file or folder of jsonl, json, parquet or txt), TorchTitan's own datasets, and
+# FineWeb-Edu (the two that `register_datasets` adds).
+LOCAL_TEXT = "local_text"
+DATASETS = (LOCAL_TEXT, "c4_test", "c4", "c4_validation", "fineweb_edu")
+TEXT_FILES = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}  # a file's loader
 CACHE_ENV = "MONARCH_SKY_CACHE"  # where fetched tokenizers live (default ~/.cache/monarch-sky)
 
 
@@ -98,16 +101,55 @@ def fetch_tokenizer(repo: str, dest: Path | None = None) -> Path:
 
 
 def register_datasets() -> None:
-    """Add FineWeb-Edu (parquet, its 10B-token sample) to TorchTitan's dataset table."""
+    """Add your own text (`local_text`, read from `data.dataset_path`) and FineWeb-Edu (parquet,
+    its 10B-token sample) to TorchTitan's dataset table."""
     from datasets import load_dataset
     from torchtitan.hf_datasets import DatasetConfig
     from torchtitan.hf_datasets.text_datasets import DATASETS
 
+    DATASETS.setdefault(LOCAL_TEXT, DatasetConfig(
+        path="",  # always data.dataset_path
+        loader=partial(_local_text, load_dataset),
+        sample_processor=lambda sample: sample["text"],
+    ))
     DATASETS.setdefault("fineweb_edu", DatasetConfig(
         path="HuggingFaceFW/fineweb-edu",
         loader=partial(_stream, load_dataset, "sample-10BT"),
         sample_processor=lambda sample: sample["text"],
     ))
+
+
+def _local_text(load_dataset, path: str):
+    """A folder (its files as the hub would read them) or one file, by its extension."""
+    if Path(path).is_dir():
+        return load_dataset(path, split="train")
+    return load_dataset(TEXT_FILES[Path(path).suffix], data_files=path, split="train")
+
+
+def local_text_problem(path: str | None) -> str | None:
+    """Why `data.dataset=local_text` cannot read `path`, with the fix; None if it can."""
+    kinds = ", ".join(TEXT_FILES)
+    if not path:
+        return (f"data.dataset_path: {LOCAL_TEXT} reads your own text: give a file or folder of {kinds} "
+                "(each record's text under \"text\"; .txt: one record per line)")
+    found = Path(path).expanduser()
+    files = [found] if found.is_file() else sorted(p for p in found.rglob("*") if p.is_file()) if found.is_dir() else []
+    if not any(p.suffix in TEXT_FILES for p in files):
+        return f"data.dataset_path: '{path}' holds no {kinds} file for {LOCAL_TEXT}"
+    return None
+
+
+def tokenizer_vocab(data) -> int | None:
+    """How many token ids the job's tokenizer makes (its tokenizer.json), or None if absent."""
+    import json
+
+    path = Path(tokenizer_path(data)) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    tokenizer = json.loads(path.read_text())
+    ids = list((tokenizer.get("model") or {}).get("vocab", {}).values())
+    ids += [t["id"] for t in tokenizer.get("added_tokens", [])]
+    return max(ids) + 1 if ids else None
 
 
 def _stream(load_dataset, name: str, path: str):

@@ -78,9 +78,9 @@ class HealBudget:
 
 
 @functools.lru_cache(maxsize=None)
-def built_sizes(recipe: str) -> tuple[int, int]:
-    """(all parameters, the largest one) of the model the recipe's own config builder
-    makes, built on the meta device: no memory, the real shapes."""
+def built_sizes(recipe: str) -> tuple[int, int, int]:
+    """(all parameters, the largest one, the embedding's vocabulary) of the model the recipe's
+    own config builder makes, built on the meta device: no memory, the real shapes."""
     import torch
     from omegaconf import OmegaConf
 
@@ -94,7 +94,7 @@ def built_sizes(recipe: str) -> tuple[int, int]:
     with torch.device("meta"):
         model = RECIPES[recipe].build_trainer(spec).model_spec.model.build()
     sizes = [p.numel() for p in model.parameters()]
-    return sum(sizes), max(sizes)
+    return sum(sizes), max(sizes), model.tok_embeddings.num_embeddings
 
 
 def state_bytes_per_rank(params: int, ranks_per_group: int) -> int:

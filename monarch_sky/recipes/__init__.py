@@ -78,6 +78,7 @@ class Recipe:
     build_trainer: Callable[[TrainerSpec], Any]
     params: int  # the model's parameter count (tests/control/test_heal_budget.py builds the model to check)
     largest_param: int  # its largest parameter tensor's elements (the embedding: vocabulary x width)
+    vocab_size: int  # token ids its embedding takes: a tokenizer that makes more cannot train it
     job_defaults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -100,6 +101,7 @@ RECIPES: dict[str, Recipe] = {
         build_trainer=llama3.tiny,
         params=935_040,
         largest_param=65_536,
+        vocab_size=512,
         job_defaults={
             "replicas": 3,
             "procs_per_replica": 2,
@@ -114,6 +116,7 @@ RECIPES: dict[str, Recipe] = {
         build_trainer=llama3.debug,
         params=6_163_712,
         largest_param=524_288,
+        vocab_size=2048,
         job_defaults={
             "replicas": 2,
             "procs_per_replica": 1,
@@ -127,6 +130,7 @@ RECIPES: dict[str, Recipe] = {
         build_trainer=llama3.llama3_8b,
         params=8_030_261_248,
         largest_param=525_336_576,
+        vocab_size=128_256,
         job_defaults={
             "replicas": 2,
             "procs_per_replica": 8,
@@ -142,6 +146,7 @@ RECIPES: dict[str, Recipe] = {
         build_trainer=llama3.llama3_70b,
         params=70_553_706_496,
         largest_param=1_050_673_152,
+        vocab_size=128_256,
         job_defaults={
             "replicas": 2,
             "procs_per_replica": 8,

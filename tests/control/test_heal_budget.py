@@ -58,7 +58,8 @@ def test_params_match_the_published_model_sizes(described, recipe, expected):
 def test_a_recipes_stated_size_is_the_size_of_the_model_it_builds(described, recipe):
     from monarch_sky.recipes import RECIPES
 
-    assert described[recipe]["built"] == [RECIPES[recipe].params, RECIPES[recipe].largest_param]
+    r = RECIPES[recipe]
+    assert described[recipe]["built"] == [r.params, r.largest_param, r.vocab_size]
 
 
 def test_an_8b_rank_receives_about_12_gb():

@@ -140,6 +140,34 @@ def test_hub_format_shards_load_through_torchtitans_loaders(tmp_path, tokenizer,
     assert texts[0] != texts[1]  # the two data-parallel ranks read different documents
 
 
+@pytest.mark.parametrize("kind", ["jsonl", "txt", "folder"])
+def test_your_own_text_loads_as_local_text(tmp_path, tokenizer, kind):
+    # data.dataset=local_text data.dataset_path=FILE_OR_FOLDER: a .jsonl ({"text": ...} a line),
+    # a .txt (a record a line) or a folder of them, through TorchTitan's own text dataset.
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+
+    from monarch_sky.config import load_job
+    from monarch_sky.replica.trainer import import_torchtitan
+
+    import_torchtitan()  # registers local_text
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    if kind == "txt":
+        (folder / "part.txt").write_text("\n".join(docs(0)) + "\n")
+    else:
+        (folder / "part.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs(0)))
+    path = folder if kind == "folder" else next(folder.iterdir())
+    job = load_job(["recipe=llama3_tiny", f"data.tokenizer_path={tokenizer}", "data.dataset=local_text",
+                    f"data.dataset_path={path}"])
+    assert job.config.data.dataset == "local_text"
+    tok = HuggingFaceTokenizer(tokenizer_path=str(tokenizer))
+    data = HuggingFaceTextDataset("local_text", str(path), tok, seq_len=64)
+    inputs, _labels = next(iter(data))
+    assert "Shard 0 story 0: the fox ran to the river" in tok.decode(
+        inputs["input"].tolist() if isinstance(inputs, dict) else inputs.tolist())
+
+
 def test_a_run_on_hub_format_data_heals_and_replays_no_batch(tmp_path, tokenizer):
     snapshot, log = make_c4(tmp_path / "c4"), tmp_path / "batches"
     log.mkdir()
