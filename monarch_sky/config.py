@@ -16,6 +16,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from monarch_sky.faults.spec import CONTROLLER, Fault, FaultSpecError, check_faults, parse_faults
+from monarch_sky import titan_keys
 from monarch_sky.recipes import RECIPES
 from monarch_sky.validation import ConfigError, validate, validate_faults
 
@@ -178,10 +179,12 @@ def heal_transport(kind: str) -> str:
 
 def load_job(overrides: list[str], config_file: str | None = None) -> Job:
     """The job from, in increasing precedence: the defaults, the recipe's, `config_file`
-    (YAML, the same keys nested) and the KEY=VALUE `overrides`."""
+    (YAML, the same keys nested) and the KEY=VALUE `overrides` (TorchTitan's keys read as ours,
+    `titan_keys`)."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"'{item}' is not KEY=VALUE (for example replicas=2)")
+    overrides = titan_keys.translate(overrides)
     schema = OmegaConf.structured(JobConfig)
     from_file = _load_file(config_file) if config_file else OmegaConf.create()
     cli = _parse_dotlist(overrides)

@@ -122,6 +122,39 @@ def test_flags_in_torchtitan_style_are_read_as_key_value(tmp_path):
     assert (printed["replicas"], printed["training"]["lr"], printed["procs_per_replica"]) == (2, 0.02, 1)
 
 
+def test_torchtitans_own_names_are_read_as_ours():
+    out = cli("config", "--training.steps", "500", "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "7",
+              "--model.flavor", "8B", "--parallelism.data_parallel_shard_degree", "-1")
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert (printed["recipe"], printed["steps"], printed["procs_per_replica"]) == ("llama3_8b", 500, 8)
+    assert (printed["training"]["lr"], printed["training"]["warmup_steps"]) == (1e-3, 7)
+
+
+def test_a_torchtitan_setting_monarch_sky_does_not_offer_is_answered_with_what_to_use():
+    out = cli("config", "--parallelism.tensor_parallel_degree", "2")
+    assert out.returncode == 2
+    assert "parallelism.tensor_parallel_degree: TorchTitan's setting" in out.stderr and "procs_per_replica" in out.stderr
+    assert cli("config", "--parallelism.tensor_parallel_degree", "1").returncode == 0, "1 asks for nothing new"
+
+
+def test_a_torchtitan_job_file_is_read_under_the_command_line(tmp_path):
+    toml = tmp_path / "llama3_debug.toml"  # the shape of TorchTitan's own train_configs
+    toml.write_text('[job]\ndump_folder = "./outputs"\ndescription = "debug"\n[model]\nname = "llama3"\n'
+                    'flavor = "debugmodel"\n[optimizer]\nname = "AdamW"\nlr = 8e-4\n[training]\n'
+                    'local_batch_size = 8\nseq_len = 2048\nsteps = 10\n[parallelism]\n'
+                    'data_parallel_replicate_degree = 1\ndata_parallel_shard_degree = -1\n[metrics]\nlog_freq = 1\n')
+    out = cli("config", "--job.config_file", str(toml), "--training.steps", "20")
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    assert (printed["recipe"], printed["steps"], printed["run_dir"]) == ("llama3_debug", 20, "./outputs")
+    assert (printed["training"]["lr"], printed["training"]["seq_len"], printed["training"]["local_batch_size"]) == \
+        (8e-4, 2048, 8)
+    assert "not used: job.description, optimizer.name, metrics.log_freq" in out.stderr
+    missing = cli("config", "--job.config_file", str(tmp_path / "none.toml"))
+    assert missing.returncode == 2 and "job.config_file: no file" in missing.stderr
+
+
 def test_the_ca_runs_from_a_python_with_only_cryptography(tmp_path):
     """SkyPilot's venv has cryptography and none of monarch-sky's stack: the recipes' header
     command makes the CA there, and its exports are a CA a node can issue from."""

@@ -18,7 +18,7 @@ FLOORS = [
     ["hosts"],  # providers, and what runs on a node before any trainer
     ["replica"],  # inside a trainer process
     ["faults"],  # the fault spec and the controller's injector
-    ["config", "validation", "config_help"],  # the job's settings
+    ["config", "validation", "config_help", "titan_keys"],  # the job's settings
     ["record"],  # display, run record, outcome
     ["control"],  # the controller
     ["bench"],  # benchmarks, which run the product and its peers
