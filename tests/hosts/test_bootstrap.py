@@ -168,6 +168,17 @@ class Node:
         return self.proc.wait(timeout=timeout_s)
 
 
+def tagged_cmdlines(tag: str) -> list[list[str]]:
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("MONARCH_SKY_TEST_TAG") == tag:
+                found.append(p.cmdline())
+        except (psutil.Error, OSError):
+            pass
+    return found
+
+
 def kill_tagged(tag: str) -> None:
     """SIGKILL what a test started (every process carrying its tag), if anything is left."""
     for p in psutil.process_iter():
@@ -216,11 +227,16 @@ def test_a_cluster_node_whose_worker_dies_for_good_does_not_fail_the_others(tmp_
     # controller goes on with. Node 1 of two: node 0 (nothing at 127.0.0.2) never answered,
     # so its standby stays out of the way.
     tag, port = new_tag(), free_port()
+    # Resuming a run on a new cluster (docs/cloud.md): its run id and RUN_DIR win over the task id.
     env = node_env(tag, tmp_path, "cluster", port, SKYPILOT_NODE_RANK="1", SKYPILOT_NODE_IPS="127.0.0.2\n127.0.0.1",
-                   SKYPILOT_NUM_NODES="2", WORKER_RESTARTS="0")
+                   SKYPILOT_NUM_NODES="2", WORKER_RESTARTS="0", RUN_DIR=str(tmp_path / "bucket"),
+                   MONARCH_SKY_ARGS="run_id=llama-run-1 steps=500")
     try:
         node = Node(env, tmp_path / "node1.log")
         node.wait_for("standing by to take the run over")
+        [words] = [cmdline for cmdline in tagged_cmdlines(tag) if "standby" in cmdline]
+        run_ids = [w for w in words if w.startswith("run_id=")]
+        assert run_ids[-1] == "run_id=llama-run-1" and f"run_dir={tmp_path / 'bucket'}" in words, words
         os.kill(worker_pid(tmp_path / "state", port), signal.SIGKILL)
         rc = node.finish(timeout_s=120)
     finally:

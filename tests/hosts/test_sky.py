@@ -115,7 +115,7 @@ def test_each_recipes_header_command_is_accepted_by_skypilot_as_written(recipe):
 
 def test_the_command_for_a_node_that_came_back_is_accepted_by_skypilot_as_docs_cloud_gives_it():
     # docs/cloud.md: with the launch's own secrets (the same CA), every node runs the worker role.
-    [command] = re.findall(r"`(sky exec <cluster> [^`]+)`", " ".join((REPO / "docs" / "cloud.md").read_text().split()))
+    [command] = set(re.findall(r"`(sky exec <cluster> [^`]+)`", " ".join((REPO / "docs" / "cloud.md").read_text().split())))
     header = header_commands(REPO / "recipes" / "llama.yaml")
     [launch] = [c for c in header if c.startswith("sky launch")]
     secrets = " ".join(w for pair in re.findall(r"--secret \S+", launch) for w in pair.split())
