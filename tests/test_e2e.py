@@ -68,6 +68,12 @@ def test_kill_survivors_train_on_and_replica_heals_from_peer(run_dir):
     assert events.index("fault_injected") < events.index("failure_detected") < events.index("replica_rejoined")
 
 
+def test_a_qwen3_group_heals_a_kill_from_a_peer_as_a_llama3_one_does(run_dir):
+    # Another TorchTitan family: QK norm, tied embeddings, its own parallelize function.
+    run = train(run_dir, "recipe=qwen3_tiny", "replicas=2", "steps=60", "faults=kill@20:1")
+    assert_recovered(run, "kill", replica=1, replicas=2)
+
+
 def test_segfault_recovers_from_warm_standby(run_dir):
     run = train(run_dir, "replicas=3", "steps=40", "faults=segfault@15:2")
     fault = assert_recovered(run, "segfault", replica=2, replicas=3)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from monarch_sky.common import hub_assets
 from monarch_sky.common.checkpoints import CheckpointSpec
-from monarch_sky.recipes import llama3
+from monarch_sky.recipes import llama3, qwen3
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,36 @@ def hub_data(tokenizer_repo: str) -> dict[str, Any]:
 # 8 ranks) at the 0.97-1.28 GB/s DCP staged here (tools/checkpoint_cost.py,
 # docs/checkpoints.md): 10-13 s and 83-109 s a save, every 16-21 and 138-181 min.
 CHECKPOINT_EVERY_MIN = {"llama3_8b": 20.0, "llama3_70b": 180.0}
+CHECKPOINT_MIN_PER_BILLION = CHECKPOINT_EVERY_MIN["llama3_8b"] / 8.0  # other sizes: in proportion (the save's staging is)
+
+
+def _qwen3(name: str, size: str, build, params: int, largest: int, procs: int, lr: float) -> "Recipe":
+    """A real Qwen3 size: its own tokenizer and C4, like the llama3 ones."""
+    return Recipe(
+        name=name,
+        description=f"Qwen3 {size} (dense), FSDP over {procs} GPUs per replica group",
+        build_trainer=build,
+        params=params,
+        largest_param=largest,
+        vocab_size=151_936,
+        job_defaults={
+            "replicas": 2,
+            "procs_per_replica": procs,
+            "steps": 1000,
+            "training": {"seq_len": 4096, "local_batch_size": 1, "lr": lr, "warmup_steps": 200},
+            "data": hub_data(f"Qwen/Qwen3-{size}"),
+            "checkpoint": {"every_min": max(5.0, float(round(CHECKPOINT_MIN_PER_BILLION * params / 1e9)))},
+        },
+    )
+
+# The CPU models' run: 3 groups of 2 processes, one killed mid-run (`faults=auto`).
+TINY_DEFAULTS = {
+    "replicas": 3,
+    "procs_per_replica": 2,
+    "steps": 100,
+    "faults": "auto",
+    "training": {"seq_len": 128, "local_batch_size": 4, "lr": 3e-3, "warmup_steps": 5},
+}
 
 RECIPES: dict[str, Recipe] = {
     "llama3_tiny": Recipe(
@@ -102,13 +132,7 @@ RECIPES: dict[str, Recipe] = {
         params=935_040,
         largest_param=65_536,
         vocab_size=512,
-        job_defaults={
-            "replicas": 3,
-            "procs_per_replica": 2,
-            "steps": 100,
-            "faults": "auto",
-            "training": {"seq_len": 128, "local_batch_size": 4, "lr": 3e-3, "warmup_steps": 5},
-        },
+        job_defaults=TINY_DEFAULTS,
     ),
     "llama3_debug": Recipe(
         name="llama3_debug",
@@ -156,4 +180,16 @@ RECIPES: dict[str, Recipe] = {
             "checkpoint": {"every_min": CHECKPOINT_EVERY_MIN["llama3_70b"]},
         },
     ),
+    "qwen3_tiny": Recipe(
+        name="qwen3_tiny",
+        description="4-layer, 128-dim Qwen3 (QK norm, tied embeddings) for CPU runs and tests",
+        build_trainer=qwen3.tiny,
+        params=853_248,
+        largest_param=65_536,
+        vocab_size=512,
+        job_defaults=TINY_DEFAULTS,
+    ),
+    "qwen3_0_6b": _qwen3("qwen3_0_6b", "0.6B", qwen3.qwen3_0_6b, 596_049_920, 155_582_464, procs=8, lr=3e-4),
+    "qwen3_8b": _qwen3("qwen3_8b", "8B", qwen3.qwen3_8b, 8_190_735_360, 622_329_856, procs=8, lr=3e-4),
+    "qwen3_32b": _qwen3("qwen3_32b", "32B", qwen3.qwen3_32b, 32_762_123_264, 777_912_320, procs=8, lr=1.5e-4),
 }

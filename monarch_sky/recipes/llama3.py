@@ -113,7 +113,14 @@ def _use_sdpa(model_config) -> None:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
 
 
-def _trainer_config(spec: "TrainerSpec", model_config, flavor: str):
+def _llama3_family():
+    from torchtitan.models.llama3 import Llama3StateDictAdapter, parallelize_llama
+
+    return "llama3", parallelize_llama, Llama3StateDictAdapter
+
+
+def _trainer_config(spec: "TrainerSpec", model_config, flavor: str, family=_llama3_family):
+    """`family`: () -> (name, parallelize_fn, state_dict_adapter) of TorchTitan's model family."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
@@ -130,20 +137,20 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str):
     from torchtitan.experiments.torchft.optimizer import TorchFTOptimizersContainer
     from torchtitan.experiments.torchft.trainer import FaultTolerantTrainer
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
-    from torchtitan.models.llama3 import Llama3StateDictAdapter, parallelize_llama
     from torchtitan.tools.profiler import Profiler
 
     on_cpu = spec.platform_kind == "cpu"
     if on_cpu:
         _use_sdpa(model_config)
+    name, parallelize, adapter = family()
     model_spec = FaultTolerantModelSpec(
-        name="torchft/llama3",
+        name=f"torchft/{name}",
         flavor=flavor,
         model=model_config,
-        parallelize_fn=parallelize_llama,
+        parallelize_fn=parallelize,
         pipelining_fn=pipeline_llm,
         post_optimizer_build_fn=None,
-        state_dict_adapter=Llama3StateDictAdapter,
+        state_dict_adapter=adapter,
         fragment_fn=fragment_llm,
     )
     training, data, ft = spec.training, spec.data, spec.ft

@@ -21,7 +21,8 @@ from monarch_sky.control.heal_budget import (
 DESCRIBE = """
 import json
 from monarch_sky.control.heal_budget import built_sizes, describe
-out = {r: describe(r, n, k) for r, n, k in [("llama3_tiny", 2, "cpu"), ("llama3_8b", 8, "rocm"), ("llama3_70b", 8, "rocm")]}
+out = {r: describe(r, n, k) for r, n, k in [("llama3_tiny", 2, "cpu"), ("llama3_8b", 8, "rocm"), ("llama3_70b", 8, "rocm"),
+                                            ("qwen3_tiny", 2, "cpu"), ("qwen3_8b", 8, "rocm"), ("qwen3_32b", 8, "rocm")]}
 for r in list(out):
     out[r]["built"] = built_sizes(r)
 print(json.dumps(out))
@@ -49,12 +50,13 @@ def today(budget) -> dict:
     }
 
 
-@pytest.mark.parametrize("recipe,expected", [("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9)])
+@pytest.mark.parametrize("recipe,expected", [("llama3_8b", 8.03e9), ("llama3_70b", 70.6e9), ("qwen3_8b", 8.19e9),
+                                             ("qwen3_32b", 32.8e9)])
 def test_params_match_the_published_model_sizes(described, recipe, expected):
     assert abs(described[recipe]["params"] / expected - 1) < 0.02
 
 
-@pytest.mark.parametrize("recipe", ["llama3_tiny", "llama3_8b", "llama3_70b"])
+@pytest.mark.parametrize("recipe", ["llama3_tiny", "llama3_8b", "llama3_70b", "qwen3_tiny", "qwen3_8b", "qwen3_32b"])
 def test_a_recipes_stated_size_is_the_size_of_the_model_it_builds(described, recipe):
     from monarch_sky.recipes import RECIPES
 
