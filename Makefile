@@ -44,7 +44,7 @@ train: $(STAMP)
 test: $(STAMP) $(SKY_STAMP)
 	$(PY) -m pytest -m "not chaos and not e2e and not soak" --durations=25 tests
 
-# The longer end-to-end runs (about 25 minutes): host replacement edge cases, spares dying idle,
+# The longer end-to-end runs (about 45 minutes): host replacement edge cases, spares dying idle,
 # groups spanning hosts, DiLoCo's long sync, heals past the transport's timeout, the bootstrap on simulated nodes.
 e2e: $(STAMP) $(SKY_STAMP)
 	$(PY) -m pytest -m e2e --durations=25 tests

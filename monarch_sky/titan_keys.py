@@ -46,7 +46,6 @@ ANSWERS = {
     "parallelism.pipeline_parallel_degree": "pipeline parallelism is not offered; a group is FSDP over procs_per_replica",
     "parallelism.context_parallel_degree": "context parallelism is not offered; a group is FSDP over procs_per_replica",
     "checkpoint.interval": "monarch-sky's last-resort checkpoints are timed: checkpoint.every_min (its heals need none)",
-    "checkpoint.folder": "checkpoint.folder is a folder every node sees (RUN_DIR/<run id>/checkpoints on the cloud)",
     "model.name": "pick the model with recipe= (llama3_tiny, llama3_debug, llama3_8b, llama3_70b)",
     "metrics.enable_wandb": "W&B is always on: wandb.mode=auto|online|offline|disabled",
     "fault_tolerance.enable": "fault tolerance is what monarch-sky is: always on",

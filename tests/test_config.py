@@ -189,3 +189,12 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path):
     with pytest.raises(ConfigError, match="data.tokenizer_path: the tokenizer makes 600 token ids, but recipe "
                                           "llama3_tiny's model embeds 512"):
         load_job(["recipe=llama3_tiny", f"data.tokenizer_path={tmp_path}"])
+
+
+def test_torchtitans_names_never_shadow_a_key_of_ours():
+    from monarch_sky import titan_keys
+    from monarch_sky.config_help import key_table
+
+    ours = {key for key, _, _ in key_table()}
+    shadowed = [k for k in (*titan_keys.SAME, *titan_keys.ANSWERS) if k in ours and titan_keys.SAME.get(k) != k]
+    assert shadowed == [], f"TorchTitan's names that are also ours, read as something else: {shadowed}"
