@@ -64,7 +64,7 @@ def translate(overrides: list[str]) -> list[str]:
         key, _, value = item.partition("=")
         if key == "job.config_file":
             out = [*toml_overrides(value), *out]
-        elif key in SAME or key in ANSWERS or key == "model.flavor":
+        elif _is_titans(key):
             out += [ours] if (ours := _ours(key, value, source=key)) else []
         else:
             out.append(item)
@@ -83,7 +83,7 @@ def toml_overrides(path: str) -> list[str]:
         raise ConfigError(f"job.config_file: {path} is not TOML: {e}") from None
     out, ignored = [], []
     for key, value in _flat(table):
-        if key in SAME or key in ANSWERS or key == "model.flavor":
+        if _is_titans(key):
             out += [ours] if (ours := _ours(key, _text(value), source=f"{path}: {key}")) else []
         else:
             ignored.append(key)
@@ -91,6 +91,11 @@ def toml_overrides(path: str) -> list[str]:
         log.warning("job.config_file %s: monarch-sky sets these itself or has no such setting, so they are not "
                     "used: %s", path, ", ".join(ignored))
     return out
+
+
+def _is_titans(key: str) -> bool:
+    """One of TorchTitan's names this module reads or answers."""
+    return key in SAME or key in ANSWERS or key == "model.flavor"
 
 
 def _ours(key: str, value: str, source: str) -> str | None:

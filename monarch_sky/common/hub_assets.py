@@ -133,8 +133,8 @@ def local_text_problem(path: str | None) -> str | None:
         return (f"data.dataset_path: {LOCAL_TEXT} reads your own text: give a file or folder of {kinds} "
                 "(each record's text under \"text\"; .txt: one record per line)")
     found = Path(path).expanduser()
-    files = [found] if found.is_file() else sorted(p for p in found.rglob("*") if p.is_file()) if found.is_dir() else []
-    if not any(p.suffix in TEXT_FILES for p in files):
+    files = [found] if found.is_file() else found.rglob("*")  # a bucket mount may hold many: stop at the first
+    if not any(p.suffix in TEXT_FILES and p.is_file() for p in files):
         return f"data.dataset_path: '{path}' holds no {kinds} file for {LOCAL_TEXT}"
     return None
 
