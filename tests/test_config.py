@@ -127,7 +127,8 @@ def test_plain_run_ids_are_accepted():
 
 def test_edge_values_that_cannot_hang_are_accepted():
     job = load_job(["steps=20", "training.warmup_steps=20", "ft.max_restarts=0", "hosts.max_replacements=0",
-                    "hosts.provision_delay_s=0", "data.dataset_path=null", "hosts.dead_after_s=0.5"])
+                    "hosts.provision_delay_s=0", "data.dataset=c4_test", "data.dataset_path=null",
+                    "hosts.dead_after_s=0.5"])
     assert job.config.training.warmup_steps == 20 and job.config.data.dataset_path is None
     assert job.config.hosts.dead_after_s == 0.5
     assert load_job([]).config.hosts.dead_after_s == 2.0
