@@ -1,4 +1,4 @@
-"""`monarch-sky` command line: train, config, worker, doctor, bench, report, tls-ca, tls-node, fetch-tokenizer.
+"""`monarch-sky` command line: train, config, worker, doctor, bench, report, tls-ca, tls-node, fetch-tokenizer, fetch-weights.
 
 Every subcommand imports what it runs only once chosen: `--help` and `tls-ca` load no torch."""
 
@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from monarch_sky import cli_fetch
 
 
 EXAMPLES = """examples:
@@ -17,7 +19,7 @@ EXAMPLES = """examples:
   monarch-sky report runs/RUN_ID                     a past run's table and timeline
 settings are KEY=VALUE everywhere (--key value is read the same); `monarch-sky train --help` lists the keys.
 """
-TAKES_KEYS = ("train", "config")  # subcommands whose settings are the job config's keys
+TAKES_KEYS = ("train", "config", "fetch-weights")  # subcommands whose settings are the job config's keys
 OWN_FLAGS = {"--config", "--log-level", "-h", "--help"}
 
 
@@ -48,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         argv = [command, *_keys_as_flags(argv[1:])]
     args = _parser(command).parse_args(argv)
     if args.command == "fetch-tokenizer":
-        return _fetch_tokenizer(args)
+        return cli_fetch.fetch_tokenizer(args)
+    if args.command == "fetch-weights":
+        return cli_fetch.fetch_weights(_load(args))
     if args.command in ("bench", "report"):
         return _bench_or_report(args)
     if args.command in ("tls-ca", "tls-node"):
@@ -131,6 +135,8 @@ def _parser(command: str | None) -> Parser:
     fetch = sub.add_parser("fetch-tokenizer", help="download a hub model's tokenizer (HF_TOKEN) for data.tokenizer_repo")
     fetch.add_argument("repo", nargs="?", help="hub repository, e.g. meta-llama/Llama-3.1-8B")
     fetch.add_argument("--recipe", help="fetch what this recipe's data.tokenizer_repo names (none: nothing to do)")
+    weights = sub.add_parser("fetch-weights", help="download the released weights (HF_TOKEN) a job starts from (init.weights_repo)")
+    _job_arguments(weights)
     return parser
 
 
@@ -218,31 +224,6 @@ def _tls(args) -> int:
     return 0
 
 
-def _fetch_tokenizer(args) -> int:
-    from monarch_sky.common import hub_assets
-    from monarch_sky.recipes import RECIPES
-
-    repo = args.repo
-    if repo is None and args.recipe is not None:
-        if args.recipe not in RECIPES:
-            print(f"monarch-sky: --recipe: unknown recipe '{args.recipe}'; one of {', '.join(RECIPES)}", file=sys.stderr)
-            return 2
-        repo = RECIPES[args.recipe].job_defaults.get("data", {}).get("tokenizer_repo")
-        if repo is None:
-            print(f"monarch-sky: {args.recipe} trains on its shipped tokenizer: nothing to fetch")
-            return 0
-    if repo is None:
-        print("monarch-sky: fetch-tokenizer: name a hub repository or --recipe", file=sys.stderr)
-        return 2
-    try:
-        path = hub_assets.fetch_tokenizer(repo)
-    except hub_assets.HubAccessError as e:
-        print(f"monarch-sky: {e}", file=sys.stderr)
-        return 2
-    print(f"monarch-sky: {repo}'s tokenizer is in {path}")
-    return 0
-
-
 def _load(args):
     """The validated job, or None after printing what is wrong."""
     from monarch_sky.config import ConfigError, load_job
@@ -257,13 +238,14 @@ def _load(args):
 def _config(args) -> int:
     from monarch_sky.config import EXIT_CONFIG, resolved_yaml
 
-    from monarch_sky.common import hub_assets
+    from monarch_sky.common import hub_assets, released_weights
 
     job = _load(args)
     if job is None:
         return EXIT_CONFIG
     print(resolved_yaml(job), end="")
-    missing = hub_assets.tokenizer_problem(job.config.data)
+    cfg = job.config
+    missing = hub_assets.tokenizer_problem(cfg.data) or released_weights.missing(cfg.init)
     if missing:  # a preview of a cloud recipe: its nodes fetch the tokenizer at setup
         print(f"monarch-sky: note: `train` here would refuse: {missing}", file=sys.stderr)
     return 0

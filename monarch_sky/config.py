@@ -32,6 +32,9 @@ class TrainingSettings:
     local_batch_size: int = MISSING  # samples per process and step
     lr: float = MISSING  # peak learning rate (AdamW)
     warmup_steps: int = MISSING  # linear warm-up steps
+    compile: bool = False  # torch.compile the model and loss (TorchTitan's compile.enable)
+    activation_checkpoint: str = "auto"  # auto (full on GPUs, none on CPU) | full | selective | none
+    mixed_precision: str = "auto"  # FSDP's parameter dtype: auto (bfloat16 on GPUs, float32 on CPU) | bfloat16 | float32
 
 
 @dataclass
@@ -40,6 +43,14 @@ class DataSettings:
     tokenizer_repo: Optional[str] = None  # the hub repository `monarch-sky fetch-tokenizer` fetches
     dataset: str = "local_text"  # your own text at dataset_path; "c4", "fineweb_edu" stream from the Hub
     dataset_path: Optional[str] = str(ASSETS / "data")  # local text, or a local copy of a hub dataset (None: the Hub's)
+
+
+@dataclass
+class InitSettings:
+    """Where the weights start: random (the default: training from scratch) or released ones."""
+
+    weights_repo: Optional[str] = None  # a hub model (safetensors) `monarch-sky fetch-weights` fetches, e.g. meta-llama/Llama-3.1-8B
+    weights_path: Optional[str] = None  # a local folder of Hugging Face safetensors (wins over weights_repo)
 
 
 @dataclass
@@ -141,6 +152,7 @@ class JobConfig:
     run_id: Optional[str] = None  # None: <recipe>-<time>-<hex>; an existing one resumes that run
     training: TrainingSettings = field(default_factory=TrainingSettings)
     data: DataSettings = field(default_factory=DataSettings)
+    init: InitSettings = field(default_factory=InitSettings)
     ft: FTSettings = field(default_factory=FTSettings)
     timeouts: TimeoutSettings = field(default_factory=TimeoutSettings)
     hosts: HostSettings = field(default_factory=HostSettings)

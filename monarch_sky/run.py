@@ -16,7 +16,7 @@ from datetime import datetime
 from monarch_sky.control.checkpoint_resume import (
     CheckpointMismatch, attempt_from_checkpoint, fired_before, restart_message, resume_from,
 )
-from monarch_sky.common import hub_assets
+from monarch_sky.common import hub_assets, released_weights
 from monarch_sky.config import EXIT_CONFIG, Job, resolved_yaml
 from monarch_sky.control.controller import Controller
 from monarch_sky.control.memory_restore import Superseded
@@ -26,6 +26,7 @@ from monarch_sky.hosts.local import reap_run
 from monarch_sky.record.outcome import EXIT_SUPERSEDED, failed, stopped
 from monarch_sky.record.progress import STORY, Display, group_shape
 from monarch_sky.record.tracking import RunFinished, RunRecord, Tracker, previous_attempt
+from monarch_sky.validation import weights_problem
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +75,7 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
     os.environ.setdefault("RUST_LOG", "warn")
     _log_to_console()
     cfg = job.config
-    refused = insecure_heal(cfg) or hub_assets.tokenizer_problem(cfg.data)
+    refused = insecure_heal(cfg) or hub_assets.tokenizer_problem(cfg.data) or weights_problem(cfg)
     if refused:
         print(f"monarch-sky: config error: {refused}", file=sys.stderr)
         return EXIT_CONFIG
@@ -107,7 +108,8 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
     record.event("run_started", config=job.to_dict())
     display.line(
         f"monarch-sky run {run_id}: {cfg.recipe}, {cfg.replicas} replica groups x "
-        f"{group_shape(cfg.procs_per_replica, cfg.hosts_per_replica)}, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {job.faults_text}"
+        f"{group_shape(cfg.procs_per_replica, cfg.hosts_per_replica)}, {cfg.steps} steps, ft.mode={cfg.ft.mode}, faults: {job.faults_text}, "
+        f"from {released_weights.source(cfg.init)}"
     )
     tracker = Tracker(cfg.wandb, run_id, record.path, job.to_dict())
     if provider is None:

@@ -30,6 +30,10 @@ SAME = {
     "model.tokenizer_path": "data.tokenizer_path",
     "model.hf_assets_path": "data.tokenizer_path",
     "job.dump_folder": "run_dir",
+    "checkpoint.initial_load_path": "init.weights_path",
+    "compile.enable": "training.compile",
+    "activation_checkpoint.mode": "training.activation_checkpoint",
+    "training.mixed_precision_param": "training.mixed_precision",
     "fault_tolerance.sync_steps": "ft.sync_steps",
     "fault_tolerance.min_replica_size": "ft.min_replicas",
     "fault_tolerance.group_size": "replicas",
@@ -45,14 +49,14 @@ ANSWERS = {
                                           "parallelism inside a group is not offered yet (leave it at 1)",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism is not offered; a group is FSDP over procs_per_replica",
     "parallelism.context_parallel_degree": "context parallelism is not offered; a group is FSDP over procs_per_replica",
+    "checkpoint.initial_load_in_hf": "released weights load as Hugging Face safetensors (init.weights_path, "
+                                     "init.weights_repo); a monarch-sky run's own checkpoints resume under its run_id",
+    "checkpoint.initial_load_model_only": "released weights load the model only; optimizer state starts fresh",
     "checkpoint.interval": "monarch-sky's last-resort checkpoints are timed: checkpoint.every_min (its heals need none)",
     "model.name": "pick the model with recipe= (llama3_tiny, llama3_debug, llama3_8b, llama3_70b)",
     "metrics.enable_wandb": "W&B is always on: wandb.mode=auto|online|offline|disabled",
     "fault_tolerance.enable": "fault tolerance is what monarch-sky is: always on",
     "fault_tolerance.semi_sync_method": "ft.mode=diloco (or ft.mode=step, the default)",
-    "compile.enable": "the recipe decides torch.compile for the host it runs on (on GPUs: on)",
-    "activation_checkpoint.mode": "the recipe decides activation checkpointing for the host it runs on (on GPUs: full)",
-    "training.mixed_precision_param": "the recipe decides mixed precision for the host (bf16 on GPUs, float32 on CPU)",
 }
 
 
@@ -119,7 +123,8 @@ def _already_so(key: str, value: str) -> bool:
     the llama3 model)."""
     if key.endswith("_degree"):
         return value in ("1", "-1")
-    return (key, value.lower()) in {("fault_tolerance.enable", "true"), ("model.name", "llama3")}
+    return (key, value.lower()) in {("fault_tolerance.enable", "true"), ("model.name", "llama3"),
+                                    ("checkpoint.initial_load_in_hf", "true"), ("checkpoint.initial_load_model_only", "true")}
 
 
 def _flat(table: dict, prefix: str = "") -> list[tuple[str, object]]:

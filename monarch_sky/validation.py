@@ -22,6 +22,8 @@ class ConfigError(ValueError):
 
 CHOICES = {
     "ft.mode": ("step", "diloco"),
+    "training.activation_checkpoint": ("auto", "full", "selective", "none"),
+    "training.mixed_precision": ("auto", "bfloat16", "float32"),
     "ft.heal_transport": ("auto", "tcp", "rdma", "http"),
     "hosts.provider": ("local", "addresses", "skypilot"),
     "hosts.spare_warm_up": ("auto", "always", "never"),
@@ -124,6 +126,7 @@ def validate(config: DictConfig) -> None:
         )
     _validate_hosts(config)
     _validate_data(config.data, config.recipe, RECIPES[config.recipe].vocab_size)
+    _validate_init(config)
     _validate_checkpoint(config.checkpoint)
 
 
@@ -161,6 +164,33 @@ def _validate_data(data: DictConfig, recipe: str, model_vocab: int) -> None:
     if vocab is not None and vocab > model_vocab:
         raise ConfigError(f"data.tokenizer_path: the tokenizer makes {vocab} token ids, but recipe {recipe}'s model "
                           f"embeds {model_vocab}; use the model's own tokenizer (its data.tokenizer_repo)")
+
+
+def _validate_init(config: DictConfig) -> None:
+    from monarch_sky.common import released_weights
+
+    init = config.init
+    if init.weights_path is not None and not os.path.isdir(os.path.expanduser(init.weights_path)):
+        raise ConfigError(f"init.weights_path: no such folder '{init.weights_path}'; give a folder of Hugging Face "
+                          "safetensors, or leave it unset to train from scratch")
+    if released_weights.fetched_later(init) and not released_weights.present(init):
+        return  # the hub's weights: `train` needs them, a preview does not
+    if problem := weights_problem(config):
+        raise ConfigError(problem)
+
+
+def weights_problem(config: DictConfig) -> str | None:
+    """Why the released weights a job starts from cannot start its recipe's model, with the
+    fix; None if they can, or it trains from scratch."""
+    from monarch_sky.common import released_weights
+    from monarch_sky.model_shapes import weights_mismatch
+
+    init = config.init
+    if problem := released_weights.missing(init):
+        return problem
+    path = released_weights.weights_path(init)
+    key = "init.weights_path" if init.weights_path else "init.weights_repo"
+    return weights_mismatch(key, path, config) if path else None
 
 
 def _validate_hosts(config: DictConfig) -> None:

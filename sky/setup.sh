@@ -174,6 +174,19 @@ WANT=$(printf '%s|' "$(sha256sum "$SRC/pyproject.toml" | cut -c1-16)" "$GPUS" "$
 fetch_tokenizer() {
   [ -n "${RECIPE:-}" ] || return 0
   "$PY" -m monarch_sky fetch-tokenizer --recipe "$RECIPE" || die "could not fetch the tokenizer of recipe $RECIPE (why: above)"
+  fetch_weights
+}
+# Released weights the run starts from (init.weights_repo=... in MONARCH_SKY_ARGS), to every node's
+# disk: each group loads them from its own node at start. A run from scratch fetches nothing.
+fetch_weights() {
+  local quoted
+  quoted=$("$PY" -c 'import os, shlex
+print(" ".join(shlex.quote(w) for w in shlex.split(os.environ.get("MONARCH_SKY_ARGS", "")) if w.startswith("init.")))') \
+    || die "MONARCH_SKY_ARGS='${MONARCH_SKY_ARGS:-}' does not split into words (an unclosed quote?)"
+  local -a init
+  eval "init=($quoted)"  # every word shlex-quoted above
+  [ ${#init[@]} -gt 0 ] || return 0
+  "$PY" -m monarch_sky fetch-weights recipe="$RECIPE" "${init[@]}" || die "could not fetch the weights the run starts from (why: above)"
 }
 
 if [ -f "$READY" ] && [ "$(cat "$READY")" = "$WANT" ] && "$PY" -c 'import monarch_sky' 2> /dev/null; then

@@ -199,3 +199,24 @@ def test_torchtitans_names_never_shadow_a_key_of_ours():
     ours = {key for key, _, _ in key_table()}
     shadowed = [k for k in (*titan_keys.SAME, *titan_keys.ANSWERS) if k in ours and titan_keys.SAME.get(k) != k]
     assert shadowed == [], f"TorchTitan's names that are also ours, read as something else: {shadowed}"
+
+
+def test_torchtitans_training_settings_reach_the_trainers_torchtitan_config():
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    from monarch_sky.recipes import RECIPES, TrainerSpec
+
+    def built(platform: str, *overrides: str):
+        job = load_job(list(overrides)).config
+        return RECIPES[job.recipe].build_trainer(TrainerSpec.from_job(job, 0, "", platform))
+
+    chosen = built("cpu", "compile.enable=true", "activation_checkpoint.mode=selective",
+                   "training.mixed_precision_param=bfloat16")
+    assert chosen.compile.enable and isinstance(chosen.activation_checkpoint, SelectiveAC.Config)
+    assert chosen.training.mixed_precision_param == "bfloat16"
+    gpu, cpu = built("rocm"), built("cpu")  # auto: what each host is best at
+    assert isinstance(gpu.activation_checkpoint, FullAC.Config) and gpu.training.mixed_precision_param == "bfloat16"
+    assert cpu.activation_checkpoint is None and cpu.training.mixed_precision_param == "float32"
+    assert not cpu.compile.enable
+    with pytest.raises(ConfigError, match="training.activation_checkpoint: 'memory_budget' is not one of auto, full"):
+        load_job(["activation_checkpoint.mode=memory_budget"])

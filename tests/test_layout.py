@@ -18,11 +18,11 @@ FLOORS = [
     ["hosts"],  # providers, and what runs on a node before any trainer
     ["replica"],  # inside a trainer process
     ["faults"],  # the fault spec and the controller's injector
-    ["config", "validation", "config_help", "titan_keys"],  # the job's settings
+    ["config", "validation", "config_help", "titan_keys", "model_shapes"],  # the job's settings
     ["record"],  # display, run record, outcome
     ["control"],  # the controller
     ["bench"],  # benchmarks, which run the product and its peers
-    ["standby", "run", "cli", "__main__"],  # entry points
+    ["standby", "run", "cli", "cli_fetch", "__main__"],  # entry points
 ]
 FLOOR_OF = {unit: i for i, units in enumerate(FLOORS) for unit in units}
 MAX_LINES = 300

@@ -28,8 +28,7 @@ class HubAccessError(RuntimeError):
 
 
 def tokenizer_dir(repo: str) -> Path:
-    root = Path(os.environ.get(CACHE_ENV) or "~/.cache/monarch-sky").expanduser()
-    return root / "tokenizers" / repo
+    return cache_root() / "tokenizers" / repo
 
 
 def tokenizer_path(data) -> str:
@@ -73,31 +72,42 @@ def offline(data) -> bool:
 
 def fetch_tokenizer(repo: str, dest: Path | None = None) -> Path:
     """Download `repo`'s tokenizer files with HF_TOKEN (skipped when already there)."""
+    dest = dest or tokenizer_dir(repo)
+    download(repo, TOKENIZER_FILES, dest, field="data.tokenizer_repo",
+             local_fix="copy a tokenizer folder and set data.tokenizer_path")
+    if not (dest / "tokenizer.json").is_file():
+        raise HubAccessError(f"data.tokenizer_repo: {repo} has no tokenizer.json; fix: name a repository "
+                             f"with a Hugging Face tokenizer (e.g. meta-llama/Llama-3.1-8B)")
+    return dest
+
+
+def download(repo: str, patterns: list[str], dest: Path, field: str, local_fix: str) -> None:
+    """`repo`'s files matching `patterns` into `dest` with HF_TOKEN (what is there is kept);
+    HubAccessError naming `field` (the setting that names the repo) and the fix."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
-    dest = dest or tokenizer_dir(repo)
     token = os.environ.get("HF_TOKEN") or None
     page = f"https://huggingface.co/{repo}"
     try:
-        snapshot_download(repo, allow_patterns=TOKENIZER_FILES, local_dir=dest, token=token)
+        snapshot_download(repo, allow_patterns=patterns, local_dir=dest, token=token)
     except GatedRepoError as e:
         who = "the HF_TOKEN given has no access" if token else "no HF_TOKEN was given"
         raise HubAccessError(f"HF_TOKEN: {repo} is gated and {who}; fix: accept its license at {page} "
                              f"and pass a token of that account (sky launch ... --secret HF_TOKEN)") from e
     except RepositoryNotFoundError as e:
         why = "or HF_TOKEN is not a valid token" if token else "or it is private and no HF_TOKEN was given"
-        raise HubAccessError(f"data.tokenizer_repo: {repo} was not found on the hub {why}; fix: check the "
+        raise HubAccessError(f"{field}: {repo} was not found on the hub {why}; fix: check the "
                              f"name at {page} and pass --secret HF_TOKEN") from e
     except HfHubHTTPError as e:
         raise HubAccessError(f"HF_TOKEN: the hub refused {repo} ({e.response.status_code}); fix: check the token") from e
     except OSError as e:  # no route to the hub (LocalEntryNotFoundError, connection errors)
-        raise HubAccessError(f"cannot fetch {repo}'s tokenizer from the hub: {e}; fix: check the node's "
-                             f"internet access, or copy a tokenizer folder and set data.tokenizer_path") from e
-    if not (dest / "tokenizer.json").is_file():
-        raise HubAccessError(f"data.tokenizer_repo: {repo} has no tokenizer.json; fix: name a repository "
-                             f"with a Hugging Face tokenizer (e.g. meta-llama/Llama-3.1-8B)")
-    return dest
+        raise HubAccessError(f"cannot fetch {repo} from the hub: {e}; fix: check the node's "
+                             f"internet access, or {local_fix}") from e
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or "~/.cache/monarch-sky").expanduser()
 
 
 def register_datasets() -> None:

@@ -12,7 +12,7 @@ import os
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from monarch_sky.common import hub_assets
@@ -44,6 +44,7 @@ class RunContext:
     heal_transport: str = ""  # the one every trainer of the run uses (`ft.heal_transport` resolved)
     replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")
     cross_group: list[str] = field(default_factory=list)  # how groups reached each other (platform.cross_group_link)
+    initial_loads: dict[str, Any] = field(default_factory=dict)  # replica -> the released weights it loaded (seconds, digest)
     groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
     slots: list[Any] = field(default_factory=list)  # one Slot per replica group
     lost: list[dict[str, Any]] = field(default_factory=list)
@@ -61,12 +62,14 @@ class RunContext:
     def dump_folder(self, index: int) -> str:
         return str(self.record.path / "torchtitan" / f"replica_{index}")
 
-    def spec(self, index: int, resume: Any = None, restore_step: int | None = None) -> TrainerSpec:
+    def spec(self, index: int, resume: Any = None, restore_step: int | None = None, rejoining: bool = False) -> TrainerSpec:
         """Group `index`'s trainer spec; `resume`: a checkpoint (`checkpoints.Found`) to load at
-        setup; `restore_step`: a step to load from its hosts' node memory instead."""
+        setup; `restore_step`: a step to load from its hosts' node memory instead. A group that
+        joins after a commit heals from a peer, so it skips the released weights."""
         checkpoint = self.checkpoints.spec_for(index, resume) if self.checkpoints is not None else None
-        return TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), checkpoint=checkpoint,  # platform: the host's own
+        spec = TrainerSpec.from_job(self.cfg, index, self.dump_folder(index), checkpoint=checkpoint,  # platform: the host's own
                                     restore_step=restore_step)
+        return replace(spec, init_weights=None) if rejoining and self.ledger.run_step > 0 else spec
 
     def refuse_platform(self, platform: str) -> str | None:
         """Why a group on `platform` may not train, or None. Every group must have the same
@@ -82,6 +85,9 @@ class RunContext:
         """What a group's hosts said as it started: how it reaches the others, whether it sees
         the checkpoint folder."""
         self._note_cross_group(index, info.get("cross_group", ""))
+        if loaded := info.get("initial_weights"):
+            self.initial_loads[str(index)] = {"seconds": loaded["seconds"], "digest": loaded["digest"]}
+            self.record.event("initial_weights", replica=index, **loaded)
         self.checkpoints.check_seen(index, info.get("checkpoint_folder_seen"))
 
     def _note_cross_group(self, index: int, link: str) -> None:

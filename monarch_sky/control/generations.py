@@ -136,7 +136,7 @@ class Generations(HostReplacement):
         group = None
         try:
             group, warm = await self.take()
-            spec = self.ctx.spec(self.index, resume, restore_step)
+            spec = self.ctx.spec(self.index, resume, restore_step, rejoining)
             return group, warm, await group.setup(spec, rejoining, data, self.ctx.cfg.timeouts.spawn_s)
         except BaseException:
             if group is not None and await self.lost_hosts():

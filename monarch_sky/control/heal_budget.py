@@ -81,18 +81,14 @@ class HealBudget:
 def built_sizes(recipe: str) -> tuple[int, int, int]:
     """(all parameters, the largest one, the embedding's vocabulary) of the model the recipe's
     own config builder makes, built on the meta device: no memory, the real shapes."""
-    import torch
     from omegaconf import OmegaConf
 
-    from monarch_sky.common import platform as platform_mod
     from monarch_sky.config import JobConfig
-    from monarch_sky.recipes import RECIPES, TrainerSpec
+    from monarch_sky.model_shapes import meta_build
+    from monarch_sky.recipes import RECIPES
 
-    platform_mod.prepare_torchtitan(platform_mod.detect())  # before torchtitan's first import
     cfg = OmegaConf.merge(OmegaConf.structured(JobConfig), RECIPES[recipe].job_defaults, {"recipe": recipe})
-    spec = TrainerSpec.from_job(cfg, replica=0, dump_folder="", platform_kind="cpu")
-    with torch.device("meta"):
-        model = RECIPES[recipe].build_trainer(spec).model_spec.model.build()
+    model, _config = meta_build(cfg)
     sizes = [p.numel() for p in model.parameters()]
     return sum(sizes), max(sizes), model.tok_embeddings.num_embeddings
 

@@ -6,7 +6,7 @@ import os
 import time
 from typing import Any
 
-from monarch_sky.common import checkpoints
+from monarch_sky.common import checkpoints, released_weights
 from monarch_sky.control.context import RunContext
 from monarch_sky.record.outcome import judge
 
@@ -31,6 +31,7 @@ def build_summary(
         "cross_group": ctx.cross_group,  # how groups reached each other: RDMA, TCP sockets, gloo over TCP
         "target_steps": cfg.steps,
         "committed_steps": ctx.ledger.run_step,
+        "initial_weights": {"source": released_weights.source(cfg.init), "loads": ctx.initial_loads},
         "checkpoints_written": checkpoints_written(ctx),
         "loss": ctx.ledger.first_and_last_loss(),
         "wall_s": round(time.monotonic() - ctx.start_time, 3),

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from monarch_sky.common import hub_assets
+from monarch_sky.common import hub_assets, released_weights
 from monarch_sky.common.checkpoints import CheckpointSpec
 from monarch_sky.recipes import llama3, qwen3
 
@@ -34,6 +34,7 @@ class TrainerSpec:
     run_id: str = ""  # names the run's node memory (monarch_sky.common.node_memory)
     snapshot_every: int = 0  # committed steps between snapshots to node memory; 0: none
     restore_step: int | None = None  # load this step from node memory at setup (never when rejoining)
+    init_weights: str | None = None  # a folder of HF safetensors to start from (None: random weights)
 
     @property
     def ranks(self) -> int:
@@ -63,6 +64,7 @@ class TrainerSpec:
             run_id=cfg.run_id or "",
             snapshot_every=cfg.snapshot.every_steps,
             restore_step=restore_step,
+            init_weights=released_weights.weights_path(cfg.init),
         )
 
     def on_host(self, kind: str) -> "TrainerSpec":

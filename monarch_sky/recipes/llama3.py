@@ -125,7 +125,7 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str, family=_llam
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
     from torchtitan.components.validate import Validator
-    from torchtitan.config import CommConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import CommConfig, CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.config.configs import DebugConfig
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.experiments.torchft.checkpoint import TorchFTCheckpointManager
@@ -176,7 +176,7 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str, family=_llam
             seq_len=training["seq_len"],
             steps=spec.steps,
             # bf16 compute is slow and imprecise on CPU.
-            mixed_precision_param="float32" if on_cpu else "bfloat16",
+            mixed_precision_param=_precision(training, on_cpu),
             disable_cuda_graphs=True,
         ),
         parallelism=ParallelismConfig(
@@ -190,7 +190,8 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str, family=_llam
         # Live recovery never reads checkpoint files: healing state is registered on the
         # TorchFT manager by monarch_sky.replica.healing instead.
         checkpoint=TorchFTCheckpointManager.Config(enable=False),
-        activation_checkpoint=None if on_cpu else _full_ac(),
+        activation_checkpoint=_activation_checkpoint(training, on_cpu),
+        compile=CompileConfig(enable=training["compile"]),
         comm=CommConfig(trace_buf_size=0, init_timeout_seconds=300),
         debug=DebugConfig(seed=spec.seed),
         fault_tolerance=FaultTolerance(
@@ -207,7 +208,17 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str, family=_llam
     )
 
 
-def _full_ac():
-    from torchtitan.distributed.activation_checkpoint import FullAC
+def _precision(training: dict, on_cpu: bool) -> str:
+    """FSDP's parameter dtype: `auto` is bf16 on GPUs and float32 on CPU (bf16 is slow and imprecise there)."""
+    chosen = training["mixed_precision"]
+    return ("float32" if on_cpu else "bfloat16") if chosen == "auto" else chosen
 
-    return FullAC.Config()
+
+def _activation_checkpoint(training: dict, on_cpu: bool):
+    """TorchTitan's activation checkpointing: `auto` is full on GPUs (8192-token sequences) and none on CPU."""
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    mode = training["activation_checkpoint"]
+    if mode == "auto":
+        mode = "none" if on_cpu else "full"
+    return {"full": FullAC.Config, "selective": SelectiveAC.Config}.get(mode, lambda: None)()

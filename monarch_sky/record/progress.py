@@ -138,6 +138,14 @@ def _on_spare(fault: dict[str, Any]) -> str:
     return f", on a spare host ready {host['spare_age_s']:.0f}s" if host.get("spare") else ", on a new host"
 
 
+def _started_from(init: dict[str, Any]) -> str:
+    loads = init.get("loads") or {}
+    if not loads:
+        return init["source"]
+    slowest = max(load["seconds"] for load in loads.values())
+    return f"{init['source']} (loaded by {len(loads)} groups, the slowest in {slowest:.1f}s)"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     loss = s.get("loss") or {}
     rows = [
@@ -145,6 +153,7 @@ def format_summary(s: dict[str, Any]) -> str:
         ("recipe", s["recipe"]),
         ("replica groups", f"{s['replicas']} x {group_shape(s['procs_per_replica'], s.get('hosts_per_replica', 1))}"),
         ("committed steps", f"{s['committed_steps']}/{s['target_steps']}"),
+        *([("started from", _started_from(s["initial_weights"]))] if s.get("initial_weights") else []),
         ("loss", f"{_num(loss.get('first'))} -> {_num(loss.get('last'))}"),
         ("wall time", f"{s['wall_s']:.1f}s"),
         ("checkpoints written", _checkpoints(s)),

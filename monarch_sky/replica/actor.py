@@ -77,6 +77,7 @@ class ReplicaActor(Actor):
             "platform": f"{plat.kind} x{plat.device_count}" if plat.device_count else plat.kind,
             "cross_group": platform_mod.cross_group_link(plat.kind),
             "checkpoint_folder_seen": checkpoints.sees_probe(spec.checkpoint.probe if spec.checkpoint else None),
+            "initial_weights": self.trainer.initial_weights,
         }
 
     @endpoint
@@ -190,6 +191,10 @@ class ReplicaGroup:
         per_rank = await self._call(self.actors.setup.call(spec, rejoining, data), timeout_s)
         info = per_rank.get(0)
         info["checkpoint_folder_seen"] = _all_seen([r["checkpoint_folder_seen"] for r in per_rank.values()])
+        if info["initial_weights"] is not None:  # the group's digest of what its ranks loaded
+            loads = [r["initial_weights"] for r in per_rank.values()]
+            info["initial_weights"] = {**loads[0], "seconds": max(w["seconds"] for w in loads),
+                                       "digest": digest_mod.combine([w["digest"] for w in loads])}
         self.timings["build_s"] = round(info["build_s"], 3)
         return info
 

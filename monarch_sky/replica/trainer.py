@@ -25,7 +25,7 @@ import torch
 from monarch_sky.common import platform as platform_mod
 from monarch_sky.common import test_hooks
 from monarch_sky.recipes import RECIPES, TrainerSpec
-from monarch_sky.replica import heal_transport, trainer_checkpoint
+from monarch_sky.replica import heal_transport, initial_weights, trainer_checkpoint
 from monarch_sky.replica.data_position import DataHandover, DataPosition
 from monarch_sky.replica.digest import shard_digest
 from monarch_sky.replica.diloco_join import DiLoCoJoin
@@ -70,6 +70,7 @@ class GroupTrainer(DiLoCoJoin):
         self._refuse_a_commit = rejoining and test_hooks.refuse_rejoin_commit()
         self._rank = rank
         self._version = 0  # bumped whenever the state a heal or a snapshot copies may change
+        self.initial_weights: dict | None = None  # the released weights this rank loaded at start
         self._build(RECIPES[spec.recipe].build_trainer(spec), plat, data)
         global ACTIVE
         ACTIVE = self
@@ -101,6 +102,9 @@ class GroupTrainer(DiLoCoJoin):
         self.checkpoint, resumed_data = trainer_checkpoint.attach(
             trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress, self.spec.replica
         )
+        resumed = self.spec.checkpoint is not None and self.spec.checkpoint.resume_step is not None
+        if self.spec.init_weights and self.spec.restore_step is None and not resumed:
+            self.initial_weights = initial_weights.load(trainer, config, self.spec.init_weights)
         params = [p for m in trainer.model_parts for p in m.parameters()]
         self.snapshots = TrainerSnapshots.of(self.spec, self._rank, self.manager, trainer.device,
                                              config.fault_tolerance.sync_steps if self._diloco else 1)
