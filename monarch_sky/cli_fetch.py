@@ -36,7 +36,7 @@ def fetch_weights(job) -> int:
     overrides); a run from scratch or from a local folder needs nothing."""
     from monarch_sky.common import hub_assets, released_weights
     from monarch_sky.config import EXIT_CONFIG
-    from monarch_sky.validation import weights_problem
+    from monarch_sky.model_shapes import weights_problem
 
     if job is None:
         return EXIT_CONFIG

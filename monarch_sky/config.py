@@ -34,6 +34,7 @@ class TrainingSettings:
     warmup_steps: int = MISSING  # linear warm-up steps
     compile: bool = False  # torch.compile the model and loss (TorchTitan's compile.enable)
     activation_checkpoint: str = "auto"  # auto (full on GPUs, none on CPU) | full | selective | none
+    tensor_parallel: int = 1  # ranks of a group each layer is split over (TorchTitan's TP); FSDP shards over the rest
     mixed_precision: str = "auto"  # FSDP's parameter dtype: auto (bfloat16 on GPUs, float32 on CPU) | bfloat16 | float32
 
 

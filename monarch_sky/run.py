@@ -26,7 +26,7 @@ from monarch_sky.hosts.local import reap_run
 from monarch_sky.record.outcome import EXIT_SUPERSEDED, failed, stopped
 from monarch_sky.record.progress import STORY, Display, group_shape
 from monarch_sky.record.tracking import RunFinished, RunRecord, Tracker, previous_attempt
-from monarch_sky.validation import weights_problem
+from monarch_sky.model_shapes import weights_problem
 
 log = logging.getLogger(__name__)
 

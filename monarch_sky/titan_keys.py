@@ -34,6 +34,7 @@ SAME = {
     "compile.enable": "training.compile",
     "activation_checkpoint.mode": "training.activation_checkpoint",
     "training.mixed_precision_param": "training.mixed_precision",
+    "parallelism.tensor_parallel_degree": "training.tensor_parallel",
     "fault_tolerance.sync_steps": "ft.sync_steps",
     "fault_tolerance.min_replica_size": "ft.min_replicas",
     "fault_tolerance.group_size": "replicas",
@@ -45,8 +46,6 @@ FLAVORS = {"debugmodel": "llama3_debug", "8B": "llama3_8b", "70B": "llama3_70b"}
 ANSWERS = {
     "parallelism.data_parallel_replicate_degree": "a replica group shards (FSDP) over its procs_per_replica GPUs "
                                                   "and TorchFT replicates across groups: set replicas (leave it at 1)",
-    "parallelism.tensor_parallel_degree": "a replica group is FSDP over its procs_per_replica GPUs; tensor "
-                                          "parallelism inside a group is not offered yet (leave it at 1)",
     "parallelism.pipeline_parallel_degree": "pipeline parallelism is not offered; a group is FSDP over procs_per_replica",
     "parallelism.context_parallel_degree": "context parallelism is not offered; a group is FSDP over procs_per_replica",
     "checkpoint.initial_load_in_hf": "released weights load as Hugging Face safetensors (init.weights_path, "

@@ -33,6 +33,7 @@ CHOICES = {
 # Numeric bounds, checked in this order; a value must also be finite (no nan or inf).
 AT_LEAST_ONE = (
     "replicas",
+    "training.tensor_parallel",
     "procs_per_replica",
     "hosts_per_replica",
     "steps",
@@ -127,6 +128,7 @@ def validate(config: DictConfig) -> None:
     _validate_hosts(config)
     _validate_data(config.data, config.recipe, RECIPES[config.recipe].vocab_size)
     _validate_init(config)
+    _validate_tensor_parallel(config)
     _validate_checkpoint(config.checkpoint)
 
 
@@ -166,6 +168,13 @@ def _validate_data(data: DictConfig, recipe: str, model_vocab: int) -> None:
                           f"embeds {model_vocab}; use the model's own tokenizer (its data.tokenizer_repo)")
 
 
+def _validate_tensor_parallel(config: DictConfig) -> None:
+    from monarch_sky.model_shapes import tensor_parallel_problem
+
+    if problem := tensor_parallel_problem(config):
+        raise ConfigError(problem)
+
+
 def _validate_init(config: DictConfig) -> None:
     from monarch_sky.common import released_weights
 
@@ -175,22 +184,10 @@ def _validate_init(config: DictConfig) -> None:
                           "safetensors, or leave it unset to train from scratch")
     if released_weights.fetched_later(init) and not released_weights.present(init):
         return  # the hub's weights: `train` needs them, a preview does not
+    from monarch_sky.model_shapes import weights_problem
+
     if problem := weights_problem(config):
         raise ConfigError(problem)
-
-
-def weights_problem(config: DictConfig) -> str | None:
-    """Why the released weights a job starts from cannot start its recipe's model, with the
-    fix; None if they can, or it trains from scratch."""
-    from monarch_sky.common import released_weights
-    from monarch_sky.model_shapes import weights_mismatch
-
-    init = config.init
-    if problem := released_weights.missing(init):
-        return problem
-    path = released_weights.weights_path(init)
-    key = "init.weights_path" if init.weights_path else "init.weights_repo"
-    return weights_mismatch(key, path, config) if path else None
 
 
 def _validate_hosts(config: DictConfig) -> None:

@@ -124,18 +124,20 @@ def test_flags_in_torchtitan_style_are_read_as_key_value(tmp_path):
 
 def test_torchtitans_own_names_are_read_as_ours():
     out = cli("config", "--training.steps", "500", "--optimizer.lr", "1e-3", "--lr_scheduler.warmup_steps", "7",
-              "--model.flavor", "8B", "--parallelism.data_parallel_shard_degree", "-1")
+              "--model.flavor", "8B", "--parallelism.data_parallel_shard_degree", "-1",
+              "--parallelism.tensor_parallel_degree", "4")
     assert out.returncode == 0, out.stderr
     printed = yaml.safe_load(out.stdout)
     assert (printed["recipe"], printed["steps"], printed["procs_per_replica"]) == ("llama3_8b", 500, 8)
     assert (printed["training"]["lr"], printed["training"]["warmup_steps"]) == (1e-3, 7)
+    assert printed["training"]["tensor_parallel"] == 4
 
 
 def test_a_torchtitan_setting_monarch_sky_does_not_offer_is_answered_with_what_to_use():
-    out = cli("config", "--parallelism.tensor_parallel_degree", "2")
+    out = cli("config", "--parallelism.pipeline_parallel_degree", "2")
     assert out.returncode == 2
-    assert "parallelism.tensor_parallel_degree: TorchTitan's setting" in out.stderr and "procs_per_replica" in out.stderr
-    assert cli("config", "--parallelism.tensor_parallel_degree", "1").returncode == 0, "1 asks for nothing new"
+    assert "parallelism.pipeline_parallel_degree: TorchTitan's setting" in out.stderr and "procs_per_replica" in out.stderr
+    assert cli("config", "--parallelism.pipeline_parallel_degree", "1").returncode == 0, "1 asks for nothing new"
 
 
 def test_a_torchtitan_job_file_is_read_under_the_command_line(tmp_path):

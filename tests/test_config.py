@@ -220,3 +220,12 @@ def test_torchtitans_training_settings_reach_the_trainers_torchtitan_config():
     assert not cpu.compile.enable
     with pytest.raises(ConfigError, match="training.activation_checkpoint: 'memory_budget' is not one of auto, full"):
         load_job(["activation_checkpoint.mode=memory_budget"])
+
+
+def test_a_tensor_parallel_degree_must_split_the_host_and_the_heads():
+    with pytest.raises(ConfigError, match="training.tensor_parallel: 3 does not divide procs_per_replica=4"):
+        load_job(["procs_per_replica=4", "training.tensor_parallel=3"])
+    # llama3_tiny has 8 heads: 16 GPUs of a host cannot split them
+    with pytest.raises(ConfigError, match="tiny's 8 attention heads and 8 key/value heads; pick a divisor of 8"):
+        load_job(["procs_per_replica=16", "training.tensor_parallel=16"])
+    assert load_job(["procs_per_replica=4", "training.tensor_parallel=2"]).config.training.tensor_parallel == 2

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import REPO, Run, cli_env, leftovers, new_tag, train
 
+from monarch_sky.common import test_hooks
 from monarch_sky.recipes import RECIPES
 
 CHECKPOINT_MARKS = ("checkpoint", ".distcp", ".safetensors", ".pt")
@@ -72,6 +73,21 @@ def test_a_qwen3_group_heals_a_kill_from_a_peer_as_a_llama3_one_does(run_dir):
     # Another TorchTitan family: QK norm, tied embeddings, its own parallelize function.
     run = train(run_dir, "recipe=qwen3_tiny", "replicas=2", "steps=60", "faults=kill@20:1")
     assert_recovered(run, "kill", replica=1, replicas=2)
+
+
+def test_a_tensor_parallel_group_heals_a_kill_from_a_peer(run_dir):
+    # Each layer split over the group's 2 ranks (TorchTitan's TP): a heal moves each rank's own
+    # TP shards, and the norms every TP rank holds whole are sent to each of them.
+    run = train(run_dir, "replicas=2", "procs_per_replica=2", "training.tensor_parallel=2", "steps=20",
+                "faults=kill@5:1", env={test_hooks.STEP_PAUSE_ENV: "0.25"})
+    assert run.returncode == 0, run.output[-4000:]
+    s = run.summary
+    assert s["outcome"]["status"] == "ok" and s["committed_steps"] == 20 and s["lost_replicas"] == []
+    [fault] = s["faults"]
+    assert fault["recovered_from"] == "peer" and fault["rejoined_s"] is not None
+    assert fault["heal_bytes"] >= 12 * RECIPES["llama3_tiny"].params
+    digests = s["final_param_digest"]
+    assert sorted(digests) == ["0", "1"] and len(set(digests.values())) == 1
 
 
 def test_segfault_recovers_from_warm_standby(run_dir):

@@ -104,6 +104,14 @@ def prepare_torchtitan(platform: Platform) -> None:
         import torchtitan.tools.utils  # noqa: F401
 
 
+def set_spmd_backend(config) -> None:
+    """TorchTitan's Trainer sets its SPMD backend from `parallelism.spmd_backend`; its TorchFT
+    trainer (0.3.0) does not, so tensor parallelism's loss fails its backend check. Set it here."""
+    from torchtitan.distributed import utils as dist_utils
+
+    dist_utils.set_spmd_backend(config.parallelism.spmd_backend)
+
+
 ADVERTISE_ENV = "MONARCH_SKY_ADVERTISE_HOST"
 
 

@@ -180,7 +180,8 @@ def _trainer_config(spec: "TrainerSpec", model_config, flavor: str, family=_llam
             disable_cuda_graphs=True,
         ),
         parallelism=ParallelismConfig(
-            data_parallel_shard_degree=spec.ranks,
+            data_parallel_shard_degree=spec.ranks // training["tensor_parallel"],
+            tensor_parallel_degree=training["tensor_parallel"],
             # The default spmd_types backend rejects FSDP over >1 rank here.
             spmd_backend="partial_dtensor",
         ),

@@ -16,6 +16,16 @@ from monarch_sky.replica.digest import shard_digest
 NO_CHECKPOINTS = "monarch-sky-initial-load-only"  # a folder name never written
 
 
+def load_if_starting(trainer, config, spec) -> dict | None:
+    """Load the run's released weights when this group starts the run's state (not restored
+    from node memory or a checkpoint, and not joining past a commit: the controller then leaves
+    `spec.init_weights` unset); what `load` says, or None."""
+    resumed = spec.checkpoint is not None and spec.checkpoint.resume_step is not None
+    if not spec.init_weights or spec.restore_step is not None or resumed:
+        return None
+    return load(trainer, config, spec.init_weights)
+
+
 def load(trainer, config, path: str) -> dict:
     """Load `path`'s weights into this rank's shards; the seconds it took and the shards' digest."""
     from torchtitan.components.checkpoint import CheckpointManager

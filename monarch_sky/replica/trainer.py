@@ -81,6 +81,7 @@ class GroupTrainer(DiLoCoJoin):
 
         from monarch_sky.replica.healing import register_with_torchft
 
+        platform_mod.set_spmd_backend(config)
         self.trainer = trainer = FaultTolerantTrainer(config)
         self.manager = trainer.ft_manager.manager
         ft = self.spec.ft
@@ -102,9 +103,7 @@ class GroupTrainer(DiLoCoJoin):
         self.checkpoint, resumed_data = trainer_checkpoint.attach(
             trainer, self.manager, self.spec.checkpoint, self._rejoining, self.progress, self.spec.replica
         )
-        resumed = self.spec.checkpoint is not None and self.spec.checkpoint.resume_step is not None
-        if self.spec.init_weights and self.spec.restore_step is None and not resumed:
-            self.initial_weights = initial_weights.load(trainer, config, self.spec.init_weights)
+        self.initial_weights = initial_weights.load_if_starting(trainer, config, self.spec)
         params = [p for m in trainer.model_parts for p in m.parameters()]
         self.snapshots = TrainerSnapshots.of(self.spec, self._rank, self.manager, trainer.device,
                                              config.fault_tolerance.sync_steps if self._diloco else 1)
