@@ -17,6 +17,8 @@ the time the target's processes came back). The definitions:
   trained data the wall time bought (TorchFT's step averages over the groups in it, so a
   step with fewer groups trains on less);
 - median step: median gap between the first commits of consecutive run steps;
+- first step: seconds from the arm's launch to its first committed step (start-up: spawn,
+  imports, build, and for monarch-sky whatever it does before training);
 - per fault: resumed = the first commit of another group's step begun after the fault (a
   single job: begun after its processes came back), rejoined = the target's first commit
   begun after it came back, regained = the run step back where it was when the fault hit.
@@ -64,6 +66,7 @@ def arm_stats(lines: list[dict], started: float, ended: float, target: int) -> d
         "work_rate": _ratio(sum(line["wall"] <= reached[0] for line in kept), to_target) if to_target else None,
         "loss_at_target": _loss_at(kept, target),
         "median_step_s": _median_gap(firsts),
+        "first_step_s": round(firsts[1] - started, 2) if 1 in firsts else None,
     }
 
 

@@ -40,6 +40,9 @@ RATIOS = {  # name -> (arm, arm, field): the first arm's field over the second's
     "time_to_target E'/C (diloco)": ("E_best_diloco", "C_diloco", "time_to_target_s"),
     "step_time A_step/B": ("A_step", "B", "median_step_s"),
     "step_time A_diloco/B": ("A_diloco", "B", "median_step_s"),
+    "goodput A_step/B": ("A_step", "B", "goodput"),
+    "first_step A_step/B": ("A_step", "B", "first_step_s"),
+    "first_step A_step/E'": ("A_step", "E_best", "first_step_s"),
 }
 
 

@@ -6,9 +6,10 @@ the real controller, lighthouse, warm standbys and TorchFT managers, and one kil
 group a third of the way in. Per N, from the run record:
 
 - build_s: the run began -> every group's trainer built (spawns and imports, N at once);
-- standby_s: -> every group's warm standby up, training starts (N more spawns and imports);
-- first_step_s: training started -> the first step all N committed together (TorchFT's
+- first_step_s: training started (right after the build) -> the first step all N committed together (TorchFT's
   first quorum, the process groups' first configure, one step);
+- standby_s: training started -> every group's first warm standby ready (N more spawns and
+  imports, in the background below the trainers' priority);
 - step_s: the median time between steps all N committed, before the fault;
 - detected_s, survivors_resumed_s, rejoined_s: the kill's times (`summary.json` faults).
 
@@ -65,12 +66,20 @@ def read_run(run: Path, n: int) -> dict:
     gaps = [b - a for a, b in zip(before_fault, before_fault[1:])]
     return {
         "build_s": round(built - began, 2),
-        "standby_s": round(training - built, 2),
+        "standby_s": _standbys_ready(events, n, training),
         "first_step_s": round(together[0][1] - training, 2),
         "step_s": round(statistics.median(gaps), 3) if gaps else None,
         **{key: fault[key] for key in FAULT_KEYS},
         "digests_equal": len(set(summary["final_param_digest"].values())) == 1,
     }
+
+
+def _standbys_ready(events: list[dict], n: int, training: float) -> float | None:
+    ready = {}
+    for e in events:
+        if e["event"] == "standby_ready":
+            ready.setdefault(e["replica"], e["wall"])
+    return round(max(ready.values()) - training, 2) if len(ready) == n else None
 
 
 def _steps_all_committed(steps: list[dict], n: int) -> list[tuple[int, float]]:
@@ -85,8 +94,9 @@ def _steps_all_committed(steps: list[dict], n: int) -> list[tuple[int, float]]:
 def describe(r: dict) -> str:
     if "failed" in r:
         return f"{r['groups']:3d} groups: FAILED ({r['failed']})"
-    return (f"{r['groups']:3d} groups: built in {r['build_s']:.1f}s, standbys in {r['standby_s']:.1f}s more, "
-            f"first step together {r['first_step_s']:.2f}s, "
+    standbys = "not all ready" if r["standby_s"] is None else f"{r['standby_s']:.1f}s"
+    return (f"{r['groups']:3d} groups: built in {r['build_s']:.1f}s, first step together {r['first_step_s']:.2f}s "
+            f"after, standbys ready {standbys} after, "
             f"step {r['step_s']}s; kill detected {r['detected_s']}s, survivors resumed {r['survivors_resumed_s']}s, "
             f"rejoined {r['rejoined_s']}s; digests {'equal' if r['digests_equal'] else 'DIFFER'}")
 

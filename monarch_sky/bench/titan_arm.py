@@ -104,6 +104,7 @@ def prepare_process(cfg):
     `set_pg_timeouts`, which calls `torch.distributed.set_timeout` (absent from torch 2.13:
     it has `_set_pg_timeout`) after `barrier(device_ids=[current_device()])`, which rejects
     the CPU device module's answer "cpu"."""
+    from monarch_sky.common import cpu_priority
     from monarch_sky.common import platform as platform_mod
     from monarch_sky.control.context import trainer_env
     from monarch_sky.replica.heal_wire import HEAL_SECRET_ENV
@@ -174,7 +175,7 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
     register_with_torchft(manager, trainer)
     manager.register_state_dict_fn("titan_step", lambda s: setattr(trainer, "step", s["step"]),
                                    lambda: {"step": trainer.step})
-    platform_mod.yield_cpu_to_recovery(plat.kind)
+    cpu_priority.yield_cpu_to_recovery(plat.kind)
     if plat.backend == "gloo":
         platform_mod.close_links_on_error(manager)
     if cfg.ft.mode == "diloco":

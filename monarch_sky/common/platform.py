@@ -128,7 +128,6 @@ def advertise_host() -> None:
         socket.gethostname = lambda: host
 
 
-TRAINING_NICENESS = 5
 
 
 def cross_group_link(kind: str, environ=os.environ) -> str:
@@ -139,24 +138,6 @@ def cross_group_link(kind: str, environ=os.environ) -> str:
     if environ.get("NCCL_IB_DISABLE", "0") == "1":
         return "TCP sockets (NCCL_IB_DISABLE=1: no usable RDMA on this node)"
     return "RDMA where RCCL finds it"
-
-
-def yield_cpu_to_recovery(kind: str) -> None:
-    """On CPU hosts, trainers run below the priority of processes still starting up.
-
-    Groups share the CPU cores there, and a recovering group spends its first seconds
-    importing torch and torchtitan: at equal priority the busy survivors slow that 3x.
-    Called once a trainer is built (niceness can only go up without privileges). On GPU
-    hosts the trainers wait on the accelerator, so nothing changes.
-    """
-    if kind != "cpu":
-        return
-    # Linux applies niceness per thread: renice every thread of this process.
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), TRAINING_NICENESS)
-        except (PermissionError, ProcessLookupError):
-            pass
 
 
 def cpu_thread_env() -> dict[str, str]:

@@ -44,6 +44,7 @@ class RunContext:
     heal_transport: str = ""  # the one every trainer of the run uses (`ft.heal_transport` resolved)
     replica_platform: str = ""  # what the first replica group reported ("rocm x8", "cpu")
     cross_group: list[str] = field(default_factory=list)  # how groups reached each other (platform.cross_group_link)
+    standbys_seen: set[int] = field(default_factory=set)  # groups whose first standby said it was ready
     initial_loads: dict[str, Any] = field(default_factory=dict)  # replica -> the released weights it loaded (seconds, digest)
     groups: dict[str, Any] = field(default_factory=dict)  # owner -> live ReplicaGroup (standbys too)
     slots: list[Any] = field(default_factory=list)  # one Slot per replica group
@@ -80,6 +81,13 @@ class RunContext:
         elif platform != self.replica_platform:
             return f"its host has {platform}, the other groups {self.replica_platform}; every group needs the same accelerators"
         return None
+
+    def note_standby_ready(self, index: int, generation: int, seconds: float) -> None:
+        """A group's standby finished warming (in the background, while the group trains)."""
+        self.record.event("standby_ready", replica=index, generation=generation, seconds=round(seconds, 3))
+        if index not in self.standbys_seen:
+            self.standbys_seen.add(index)
+            self.phase(f"[replica {index}] standby ready ({seconds:.1f}s, warmed while training)")
 
     def note_group_started(self, index: int, info: dict[str, Any]) -> None:
         """What a group's hosts said as it started: how it reaches the others, whether it sees

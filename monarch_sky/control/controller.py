@@ -206,20 +206,19 @@ class Controller:
         ctx.record.event("hosts_ready", hosts=[h.address for h in hosts])
 
     async def _warm_standbys(self) -> None:
-        """A standby process set per group and the spare hosts, so recovery skips the imports.
-        A controller that took a run over trains first and warms them meanwhile: its run has
-        waited long enough (a fault before they are ready spawns cold)."""
+        """A standby process set per group, warmed while the groups train (below their priority
+        on CPU hosts), so a recovery skips the imports; a fault before one is ready spawns anew.
+        Spare hosts are waited for: a run asks for them to take a lost host at once."""
         ctx = self.ctx
-        spares = f" and {ctx.spares.size} spare host(s)" if ctx.spares.size else ""
-        if ctx.cfg.ft.standby or spares:
-            ctx.phase(f"warming a standby process set per group{spares}, so recovery skips the imports")
+        if ctx.cfg.ft.standby:
+            ctx.phase("warming a standby process set per group in the background, so recovery skips the imports")
         for slot in self.slots:
             slot.gens.refill_standby()
-        waits = [s.gens.standby for s in self.slots if s.gens.standby is not None]
-        if spares:
-            waits.append(ctx.in_background(ctx.spares.start()))
-        if waits and ctx.memory.restored is None:
-            await asyncio.wait(waits, timeout=ctx.cfg.timeouts.spawn_s)
+        if ctx.spares.size:
+            ctx.phase(f"warming {ctx.spares.size} spare host(s)")
+            spares = ctx.in_background(ctx.spares.start())
+            if ctx.memory.restored is None:
+                await asyncio.wait([spares], timeout=ctx.cfg.timeouts.spawn_s)
 
     async def _drive_all(self) -> None:
         """Every slot trains on its own; one slot's trouble never cancels another's.

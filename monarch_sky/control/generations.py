@@ -14,6 +14,7 @@ lost host is the other half (`host_replacement.py`).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from monarch_sky.common.supervision import describe_error, resolved
@@ -35,6 +36,7 @@ class Generations(HostReplacement):
         self.host_mesh = host_mesh  # one HostMesh over all of `hosts`
         self.spawned = 0  # generations spawned so far (standbys included)
         self.standby: asyncio.Task | None = None  # resolves to a warmed next generation
+        self.warming: ReplicaGroup | None = None  # the standby's generation while it warms
         self.orders: dict[Host, asyncio.Future] = {}  # lost host -> the request for its replacement
         self.agent = None  # a HostAgent on each of the group's hosts, once they are up
 
@@ -74,14 +76,17 @@ class Generations(HostReplacement):
         mesh = await attach_hosts(self.ctx, live) if lost else self.host_mesh
         await asyncio.wait_for(resolved(mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
 
-    async def spawn(self) -> ReplicaGroup:
-        """A new generation with processes up and code imported."""
+    async def spawn(self, background: bool = False) -> ReplicaGroup:
+        """A new generation with processes up and code imported (`background`: a standby,
+        warmed below the trainers' priority while they step)."""
         ctx = self.ctx
         group = ReplicaGroup(self.index, self.spawned, self.hosts, self.host_mesh, ctx.cfg.procs_per_replica)
         self.spawned += 1
+        if background:
+            self.warming = group
         ctx.watch_group(group)
         try:
-            await group.spawn(ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s)
+            await group.spawn(ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s, background)
         except BaseException:
             await self.discard(group)
             raise
@@ -116,7 +121,13 @@ class Generations(HostReplacement):
 
     def refill_standby(self) -> None:
         if self.ctx.cfg.ft.standby and not self.ctx.finishing and self.standby is None:
-            self.standby = asyncio.ensure_future(self.spawn())
+            self.standby = asyncio.ensure_future(self._warm_standby())
+
+    async def _warm_standby(self) -> ReplicaGroup:
+        began = time.monotonic()
+        group = await self.spawn(background=True)
+        self.ctx.note_standby_ready(self.index, group.generation, time.monotonic() - began)
+        return group
 
     async def build(self, rejoining: bool, data: DataHandover, resume=None,
                     restore_step: int | None = None) -> tuple[ReplicaGroup, bool, dict]:
@@ -146,8 +157,15 @@ class Generations(HostReplacement):
             raise
 
     async def take(self) -> tuple[ReplicaGroup, bool]:
-        """The warm standby if it is alive, else a freshly spawned generation."""
+        """The warm standby if it is alive, else a freshly spawned generation. One still warming
+        (below the trainers' priority) goes on at full priority: it is further along than a new spawn."""
         task, self.standby = self.standby, None
+        if task is not None and not task.done() and self.warming is not None:
+            self.ctx.record.event("standby_claimed_warming", replica=self.index, generation=self.warming.generation)
+            try:
+                await self.warming.claim(self.ctx.cfg.timeouts.spawn_s)
+            except Exception:  # it is failing: awaiting it says so
+                pass
         if task is not None:
             try:
                 group = await task

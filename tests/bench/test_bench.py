@@ -205,5 +205,6 @@ def test_the_real_scale_sweeps_smallest_point_heals_the_killed_group(tmp_path):
     # The survivors' own TorchFT may commit before the controller hears of the death: no order
     # between detected_s and survivors_resumed_s is promised, only that the respawn follows it.
     assert 0 < row["detected_s"] <= row["rejoined_s"] and row["survivors_resumed_s"] > 0, row
-    assert min(row["build_s"], row["standby_s"], row["first_step_s"], row["step_s"]) > 0, row
+    assert min(row["build_s"], row["first_step_s"], row["step_s"]) > 0, row
+    assert row["standby_s"] is None or row["standby_s"] > 0, row  # warmed in the background: maybe not by the end
     assert (tmp_path / "scale-groups.png").stat().st_size > 0
