@@ -25,6 +25,8 @@ from conftest import REPO, cli_env, train
 from fake_hub import FakeHub, tokenizer_files
 from test_data import kept_batches
 
+from monarch_sky.common import test_hooks
+
 REPO_ID = "meta-llama/Llama-3.1-8B"
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
@@ -173,7 +175,8 @@ def test_a_run_on_hub_format_data_heals_and_replays_no_batch(tmp_path, tokenizer
     log.mkdir()
     run = train(tmp_path / "run", "replicas=2", "procs_per_replica=1", "steps=16", "faults=kill@6:1",
                 f"data.tokenizer_path={tokenizer}", "data.dataset=c4", f"data.dataset_path={snapshot}",
-                env={"MONARCH_SKY_TEST_BATCH_LOG": str(log), "HF_ENDPOINT": "http://127.0.0.1:9"})
+                env={"MONARCH_SKY_TEST_BATCH_LOG": str(log), "HF_ENDPOINT": "http://127.0.0.1:9",
+                     test_hooks.STEP_PAUSE_ENV: "0.25"})  # the run outlasts a recovery whose standby still warms
     assert run.returncode == 0, run.output[-3000:]
     [fault] = run.summary["faults"]
     assert fault["recovered_from"] == "peer"
