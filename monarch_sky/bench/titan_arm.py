@@ -104,7 +104,6 @@ def prepare_process(cfg):
     `set_pg_timeouts`, which calls `torch.distributed.set_timeout` (absent from torch 2.13:
     it has `_set_pg_timeout`) after `barrier(device_ids=[current_device()])`, which rejects
     the CPU device module's answer "cpu"."""
-    from monarch_sky.common import cpu_priority
     from monarch_sky.common import platform as platform_mod
     from monarch_sky.control.context import trainer_env
     from monarch_sky.replica.heal_wire import HEAL_SECRET_ENV
@@ -163,6 +162,7 @@ def heal_at_its_best(trainer, cfg, plat) -> None:
     - on gloo, the failed process group freed at a step's first error (`platform.close_links_on_error`);
     - DiLoCo: a healing group's pseudo-gradient zeroed (`contribute_nothing_when_healed`).
     """
+    from monarch_sky.common import cpu_priority
     from monarch_sky.common import platform as platform_mod
     from monarch_sky.replica import heal_transport
     from monarch_sky.replica.healing import register_with_torchft
