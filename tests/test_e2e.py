@@ -46,6 +46,8 @@ def assert_recovered(run: Run, kind: str, replica: int, replicas: int) -> dict:
     if s["heal_transport"] in ("tcp", "rdma"):  # ours time their transfers and name their sources
         assert 0 < fault["heal_s"] <= fault["heal_step_s"] and fault["heal_gb_per_s"] > 0
         assert rejoined["heal_sources"], "the transport names the ranks it healed from"
+    between = s["between_steps"]  # the controller's turn between a group's steps, against the step
+    assert between["median_s"] >= 0 and between["step_s"] > 0 and 0 <= between["share"] < 1
     digests = s["final_param_digest"]
     assert sorted(digests) == [str(i) for i in range(replicas)]
     assert len(set(digests.values())) == 1, f"replicas ended with different weights: {digests}"

@@ -17,6 +17,10 @@ the time the target's processes came back). The definitions:
   trained data the wall time bought (TorchFT's step averages over the groups in it, so a
   step with fewer groups trains on less);
 - median step: median gap between the first commits of consecutive run steps;
+- between steps: median time a group spends outside its own step, from one step's end to the
+  next one's (consecutive steps of one replica: the gap in wall time less the step's own
+  seconds). For monarch-sky that is the controller's turn (result back, next call out); for
+  TorchTitan alone, its loop around `train_step`;
 - first step: seconds from the arm's launch to its first committed step (start-up: spawn,
   imports, build, and for monarch-sky whatever it does before training);
 - per fault: resumed = the first commit of another group's step begun after the fault (a
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 import statistics
 from typing import Any
+
+from monarch_sky.control.ledger import between_steps
 
 
 def kept_lines(lines: list[dict]) -> list[dict]:
@@ -67,7 +73,9 @@ def arm_stats(lines: list[dict], started: float, ended: float, target: int) -> d
         "loss_at_target": _loss_at(kept, target),
         "median_step_s": _median_gap(firsts),
         "first_step_s": round(firsts[1] - started, 2) if 1 in firsts else None,
+        "between_steps_s": between_steps(lines),
     }
+
 
 
 def fault_times(fault: dict, lines: list[dict], single_job: bool) -> dict[str, float | None]:

@@ -5,7 +5,7 @@ Reads, never writes, the records; writes only the report files next to them.
 
 A **bench dir** holds `bench.json` (`bench_id`, `settings` with `steps` = the target,
 `arms` = {key: {label, dir, started_wall, wall_s, committed_steps, step_efficiency, goodput,
-work_rate, time_to_target_s, loss_at_target, median_step_s, first_step_s, faults: {kind: {count, detected_s, resumed_s,
+work_rate, time_to_target_s, loss_at_target, median_step_s, first_step_s, between_steps_s, faults: {kind: {count, detected_s, resumed_s,
 rejoined_s: {median, max}}}}}, `ratios` = {name: float|null}, `ratio_spread` = {name:
 {median, min, max, rounds}|null}) and one folder per arm with
 `steps.jsonl` (`{wall, replica, step, committed, seconds, loss, participants}` per line) and
@@ -51,6 +51,7 @@ def arm_row(arm: dict[str, Any], target: Any) -> list[str]:
         fmt_ratio(arm.get("loss_at_target")),
         fmt_seconds(arm.get("median_step_s")),
         fmt_seconds(arm.get("first_step_s")),
+        fmt_seconds(arm.get("between_steps_s")),
     ]
 
 
@@ -71,7 +72,8 @@ def bench_markdown(bench: dict[str, Any]) -> str:
     lines = [f"# Benchmark {bench.get('bench_id', '')}", "", f"Created {bench.get('created', NULL)}; "
              f"settings: `{json.dumps(bench.get('settings') or {}, sort_keys=True)}`", "", "## Arms", ""]
     lines += md_table(["arm", "wall s", "committed/target", "step efficiency", "goodput",
-                       "work rate /s", "time to target s", "loss at target", "median step s", "first step s"],
+                       "work rate /s", "time to target s", "loss at target", "median step s", "first step s",
+                       "between steps s"],
                       [arm_row(arm, target) for arm in arms.values()])
     rows = [row for arm in arms.values() for row in fault_rows(arm)]
     lines += ["", "## Faults", ""]

@@ -43,6 +43,7 @@ RATIOS = {  # name -> (arm, arm, field): the first arm's field over the second's
     "goodput A_step/B": ("A_step", "B", "goodput"),
     "first_step A_step/B": ("A_step", "B", "first_step_s"),
     "first_step A_step/E'": ("A_step", "E_best", "first_step_s"),
+    "between_steps A_step/B": ("A_step", "B", "between_steps_s"),
 }
 
 

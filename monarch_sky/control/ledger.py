@@ -41,6 +41,25 @@ class StatusCounts:
     recovered: int
 
 
+LINES_KEPT = 20_000  # step lines `between_steps` reads at the end: the run's recent steady state
+
+
+def between_steps(lines: list[dict]) -> float | None:
+    """Median seconds a replica spent outside its steps between consecutive committed ones
+    (its step's end to the next one's start): for monarch-sky, the controller's turn."""
+    last: dict[int, dict] = {}
+    gaps = []
+    for line in sorted(lines, key=lambda x: x["wall"]):
+        if not line["committed"]:
+            last.pop(line["replica"], None)
+            continue
+        before = last.get(line["replica"])
+        if before is not None and line["step"] == before["step"] + 1:
+            gaps.append(max(0.0, line["wall"] - before["wall"] - line["seconds"]))
+        last[line["replica"]] = line
+    return round(statistics.median(gaps), 4) if gaps else None
+
+
 class StepLedger:
     def __init__(self, target: int, record, tracker, display, counts: Callable[[], StatusCounts]):
         self.target = target
@@ -56,10 +75,12 @@ class StepLedger:
         self.step_seconds = 1.0  # moving average, used to land faults mid-step
         self._recent = deque(maxlen=50)  # seconds of recent committed steps
         self.quorums: dict[int, tuple[str, ...]] = {}  # step -> the members of the quorum that committed it
+        self.lines: deque = deque(maxlen=LINES_KEPT)  # recent step lines, for `between_steps`
 
     def add(self, r: StepResult, now: float) -> None:
         self.step_seconds = 0.8 * self.step_seconds + 0.2 * r.seconds
         self.record.step(r.replica, r.step, r.committed, r.seconds, r.loss, r.participants)
+        self.lines.append({"wall": now, "replica": r.replica, "step": r.step, "committed": r.committed, "seconds": r.seconds})
         if not r.committed:
             return
         self._recent.append(r.seconds)
@@ -72,6 +93,16 @@ class StepLedger:
         stats.replicas.add(r.replica)
         self.run_step = max(self.run_step, r.step)
         self.flush()
+
+    def between_steps(self) -> dict | None:
+        """The controller's share of a step: median seconds between a group's steps, against
+        the median step (`summary.json`)."""
+        gap = between_steps(list(self.lines))
+        steps = [line["seconds"] for line in self.lines if line["committed"]]
+        if gap is None or not steps:
+            return None
+        step = statistics.median(steps)
+        return {"median_s": gap, "step_s": round(step, 4), "share": round(gap / (gap + step), 4)}
 
     def _keep_quorum(self, r: StepResult) -> None:
         if not (r.synced and r.quorum):

@@ -35,6 +35,7 @@ def build_summary(
         "checkpoints_written": checkpoints_written(ctx),
         "loss": ctx.ledger.first_and_last_loss(),
         "wall_s": round(time.monotonic() - ctx.start_time, 3),
+        "between_steps": ctx.ledger.between_steps(),  # the controller's turn between a group's steps
         "final_param_digest": {k: v["digest"] for k, v in final.items()},
         "final_lr": {k: v["lr"] for k, v in final.items()},
         "scheduler_steps": {k: v["scheduler_steps"] for k, v in final.items()},

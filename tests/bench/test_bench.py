@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -39,6 +40,14 @@ def test_a_restart_from_a_checkpoint_keeps_only_the_last_run_of_each_step():
     times = metrics.fault_times(fault, lines, single_job=True)
     assert times["resumed_s"] == 11 - 4.5  # the first step begun after the restart
     assert times["regained_s"] == 13 - 4.5  # past step 4, where the run was when it failed
+
+
+def test_the_time_between_a_groups_steps_is_what_its_steps_do_not_cover():
+    # Replica 0: steps of 1 s ending at 1, 2.1, 3.3 (0.1 and 0.2 s outside them); replica 1 also
+    # fails step 3, so its step 4 does not follow a committed step 3 and is left out.
+    lines = [line(1, 1, 0), line(2.1, 2, 0), line(3.3, 3, 0), line(1, 1, 1), line(2.3, 2, 1),
+             line(3.3, 3, 1, committed=False), line(4.3, 4, 1)]
+    assert metrics.between_steps(lines) == round(statistics.median([0.1, 0.2, 0.3]), 4)
 
 
 def test_survivors_resume_before_the_failed_group_rejoins():
