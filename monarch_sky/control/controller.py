@@ -206,9 +206,9 @@ class Controller:
         ctx.record.event("hosts_ready", hosts=[h.address for h in hosts])
 
     async def _warm_standbys(self) -> None:
-        """A standby process set per group, warmed while the groups train (below their priority
-        on CPU hosts), so a recovery skips the imports; a fault before one is ready spawns anew.
-        Spare hosts are waited for: a run asks for them to take a lost host at once."""
+        """A standby process set per group, warmed while the groups train, so a recovery skips
+        the imports (a fault before one is ready waits for the rest of its warm-up). Spare hosts
+        are waited for: a run asks for them to take a lost host at once."""
         ctx = self.ctx
         if ctx.cfg.ft.standby:
             ctx.phase("warming a standby process set per group in the background, so recovery skips the imports")

@@ -36,7 +36,6 @@ class Generations(HostReplacement):
         self.host_mesh = host_mesh  # one HostMesh over all of `hosts`
         self.spawned = 0  # generations spawned so far (standbys included)
         self.standby: asyncio.Task | None = None  # resolves to a warmed next generation
-        self.warming: ReplicaGroup | None = None  # the standby's generation while it warms
         self.orders: dict[Host, asyncio.Future] = {}  # lost host -> the request for its replacement
         self.agent = None  # a HostAgent on each of the group's hosts, once they are up
 
@@ -76,17 +75,14 @@ class Generations(HostReplacement):
         mesh = await attach_hosts(self.ctx, live) if lost else self.host_mesh
         await asyncio.wait_for(resolved(mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
 
-    async def spawn(self, background: bool = False) -> ReplicaGroup:
-        """A new generation with processes up and code imported (`background`: a standby,
-        warmed below the trainers' priority while they step)."""
+    async def spawn(self) -> ReplicaGroup:
+        """A new generation with processes up and code imported."""
         ctx = self.ctx
         group = ReplicaGroup(self.index, self.spawned, self.hosts, self.host_mesh, ctx.cfg.procs_per_replica)
         self.spawned += 1
-        if background:
-            self.warming = group
         ctx.watch_group(group)
         try:
-            await group.spawn(ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s, background)
+            await group.spawn(ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s)
         except BaseException:
             await self.discard(group)
             raise
@@ -125,7 +121,7 @@ class Generations(HostReplacement):
 
     async def _warm_standby(self) -> ReplicaGroup:
         began = time.monotonic()
-        group = await self.spawn(background=True)
+        group = await self.spawn()
         self.ctx.note_standby_ready(self.index, group.generation, time.monotonic() - began)
         return group
 
@@ -157,15 +153,9 @@ class Generations(HostReplacement):
             raise
 
     async def take(self) -> tuple[ReplicaGroup, bool]:
-        """The warm standby if it is alive, else a freshly spawned generation. One still warming
-        (below the trainers' priority) goes on at full priority: it is further along than a new spawn."""
+        """The warm standby if it is alive (one still warming is awaited: it is further along
+        than a new spawn), else a freshly spawned generation."""
         task, self.standby = self.standby, None
-        if task is not None and not task.done() and self.warming is not None:
-            self.ctx.record.event("standby_claimed_warming", replica=self.index, generation=self.warming.generation)
-            try:
-                await self.warming.claim(self.ctx.cfg.timeouts.spawn_s)
-            except Exception:  # it is failing: awaiting it says so
-                pass
         if task is not None:
             try:
                 group = await task

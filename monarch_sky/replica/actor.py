@@ -36,12 +36,9 @@ class ReplicaActor(Actor):
         self.trainer = None
 
     @endpoint
-    def warm(self, background: bool = False) -> float:
-        """Import torch, TorchFT and TorchTitan ahead of time; returns the seconds it took.
-        `background`: a standby, warmed while its group trains (below the trainers' priority)."""
+    def warm(self) -> float:
+        """Import torch, TorchFT and TorchTitan ahead of time; returns the seconds it took."""
         start = time.perf_counter()
-        if background:
-            cpu_priority.warm_below_training()
         platform_mod.advertise_host()
         _quiet_logs()
         from monarch_sky.replica import trainer
@@ -66,7 +63,6 @@ class ReplicaActor(Actor):
         `data`: where the previous generation's kept training left each rank's data.
         """
         start = time.perf_counter()
-        cpu_priority.claim_for_recovery()
         from monarch_sky.replica.trainer import GroupTrainer
 
         rank = int(os.environ["RANK"])  # set by the group's SPMD setup
@@ -146,7 +142,6 @@ class ReplicaGroup:
         self.proc_mesh = None
         self.actors = None
         self.fault_actors = None
-        self.claimed = False  # a recovery took it while it warmed (`claim`)
         self.timings: dict[str, float] = {}  # boot_s, import_s, warm_up_step_s (per rank, max), build_s
         self.pids: list[list[int]] = []  # per host, its ranks' pids, once spawned
 
@@ -155,8 +150,8 @@ class ReplicaGroup:
             self.failure = report
         self._failed.set()
 
-    async def spawn(self, env: dict[str, str], timeout_s: float, background: bool = False) -> None:
-        """Start the group's processes and import the trainer code (a warm standby: `background`)."""
+    async def spawn(self, env: dict[str, str], timeout_s: float) -> None:
+        """Start the group's processes and import the trainer code (a warm standby)."""
         from monarch.actor import default_bootstrap_cmd
 
         from monarch_sky.replica.fault_actor import FaultActor
@@ -174,14 +169,8 @@ class ReplicaGroup:
             self.pids[point["hosts"]].append(pid)
         self.timings["boot_s"] = round(time.monotonic() - began, 3)
         self.actors = self.proc_mesh.spawn(f"{self.owner}-replica", ReplicaActor)
-        imports = await self._call(self.actors.warm.call(background and not self.claimed), timeout_s)
+        imports = await self._call(self.actors.warm.call(), timeout_s)
         self.timings["import_s"] = round(max(imports.values()), 3)
-
-    async def claim(self, timeout_s: float) -> None:
-        """A recovery takes this generation while it still warms: its processes go on at full priority."""
-        self.claimed = True  # a warm-up not yet asked for runs at full priority
-        if self.fault_actors is not None:
-            await self._call(self.fault_actors.claim.call(), timeout_s)
 
     async def warm_up_step(self, spec: TrainerSpec, mode: str, timeout_s: float) -> None:
         """A spare's warm-up step on every rank (`ReplicaActor.warm_up_step`)."""

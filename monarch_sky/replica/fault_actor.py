@@ -1,6 +1,5 @@
 """The actor that carries a process fault out inside a trainer process (the spec is
-`monarch_sky/faults/spec.py`; the injector decides when), and that raises a warming
-standby's priority when a recovery claims it before it is ready."""
+`monarch_sky/faults/spec.py`; the injector decides when)."""
 
 from __future__ import annotations
 
@@ -23,13 +22,6 @@ class FaultActor(Actor):
     @endpoint
     def pid(self) -> int:
         return os.getpid()
-
-    @endpoint
-    def claim(self) -> None:
-        """A recovery needs this process now: the rest of its warm-up runs at full priority."""
-        from monarch_sky.common import cpu_priority
-
-        cpu_priority.claim_for_recovery()
 
     @endpoint
     def inject(self, kind: str, delay_s: float = 0.0) -> None:
