@@ -26,7 +26,6 @@ from monarch_sky.hosts.local import reap_run
 from monarch_sky.record.outcome import EXIT_SUPERSEDED, failed, stopped
 from monarch_sky.record.progress import STORY, Display, group_shape
 from monarch_sky.record.tracking import RunFinished, RunRecord, Tracker, previous_attempt
-from monarch_sky.model_shapes import weights_problem
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +74,8 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
     os.environ.setdefault("RUST_LOG", "warn")
     _log_to_console()
     cfg = job.config
-    refused = insecure_heal(cfg) or hub_assets.tokenizer_problem(cfg.data) or weights_problem(cfg)
+    # The job validated (shapes too, where the weights were there): what a preview allows must be here now.
+    refused = insecure_heal(cfg) or hub_assets.tokenizer_problem(cfg.data) or released_weights.missing(cfg.init)
     if refused:
         print(f"monarch-sky: config error: {refused}", file=sys.stderr)
         return EXIT_CONFIG
