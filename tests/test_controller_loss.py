@@ -115,7 +115,7 @@ def test_a_controller_whose_hosts_a_newer_controller_claimed_stops_driving_the_r
         wait_for_event(tmp_path / tag / "events.jsonl", "training_started", timeout_s=300)
         for host in (NODE_MEMORY / "local-hosts").glob("local-*"):
             monkeypatch.setenv(node_memory.ROOT_ENV, str(host))
-            node_memory.claim(tag, 99)
+            node_memory.claim(tag, 99, "a standby elsewhere")
         output, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

@@ -12,6 +12,8 @@ under the same run id restores the run from any node that holds one group's comp
                    note-s<S>.json         the controller's note for step S (every group's data position)
                    run.json               the controller's note on the run (its step, the faults fired)
                    epoch                  the newest controller of the run that claimed this node
+                                          ("EPOCH OWNER": two controllers that came up at once
+                                          with one epoch are told apart by their owner token)
 
 The root is `MONARCH_SKY_NODE_MEMORY` (the local provider gives each simulated host its own),
 else /dev/shm (RAM, gone with the node, which is the point), else the temp folder. Nothing
@@ -20,6 +22,7 @@ here imports torch: the controller's agents read it.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -136,25 +139,35 @@ def read_note(run_id: str, step: int | None) -> dict[str, Any] | None:
         return None
 
 
-def read_epoch(run_id: str) -> int:
+def read_claim(run_id: str) -> tuple[int, str]:
+    """(epoch, owner) of the controller that claimed this node for the run; (0, "") if none."""
     try:
-        return int((run_folder(run_id) / EPOCH).read_text())
+        epoch, _, owner = (run_folder(run_id) / EPOCH).read_text().strip().partition(" ")
+        return int(epoch), owner
     except (OSError, ValueError):
-        return 0
+        return 0, ""
 
 
-def claim(run_id: str, epoch: int) -> int:
-    """The fence: controller `epoch` claims this node for the run unless a newer one did.
-    Returns the epoch that holds the node now (`epoch` itself when the claim stood)."""
+def read_epoch(run_id: str) -> int:
+    return read_claim(run_id)[0]
+
+
+def claim(run_id: str, epoch: int, owner: str) -> tuple[int, str]:
+    """The fence: controller (`epoch`, `owner`) claims this node for the run unless one that
+    orders after it did (a newer epoch, or the same epoch and a greater owner token: two
+    standbys that woke at once and counted the same epoch). Returns the claim that holds the
+    node now, (`epoch`, `owner`) itself when this one stood. Atomic against other claims."""
     folder = run_folder(run_id)
     folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-    held = read_epoch(run_id)
-    if held > epoch:
-        return held
-    tmp = folder / f".epoch-{os.getpid()}.tmp"
-    tmp.write_text(str(epoch))
-    tmp.replace(folder / EPOCH)
-    return epoch
+    with open(folder / f".{EPOCH}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        held = read_claim(run_id)
+        if held > (epoch, owner):
+            return held
+        tmp = folder / f".{EPOCH}-{os.getpid()}.tmp"
+        tmp.write_text(f"{epoch} {owner}")
+        tmp.replace(folder / EPOCH)
+        return epoch, owner
 
 
 def drop_run(run_id: str, base: Path | None = None) -> int:

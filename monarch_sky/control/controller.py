@@ -134,6 +134,9 @@ class Controller:
         ctx = self.ctx
         agents = await asyncio.wait_for(asyncio.gather(*self.agents), ctx.cfg.timeouts.spawn_s)
         point = await ctx.memory.survey(agents)
+        if ctx.memory.fenced_by is not None:
+            raise Superseded(f"another controller of run {ctx.cfg.run_id} (epoch {ctx.memory.fenced_by}) claimed "
+                             "its hosts first")
         resume = ctx.checkpoints.resume
         if point is None or (resume is not None and resume.step > point.step):
             return

@@ -73,11 +73,12 @@ class HostAgent(Actor):
         return node_memory.listing(run_id)
 
     @endpoint
-    def note(self, run_id: str, epoch: int, step: int | None, note: dict) -> int:
-        """Keep the controller's note (for a snapshot `step`; None: the run's own note) unless
-        a newer controller claimed this host; returns the epoch that holds it."""
-        held = node_memory.claim(run_id, epoch)
-        if held == epoch:
+    def note(self, run_id: str, epoch: int, owner: str, step: int | None, note: dict | None) -> tuple[int, str]:
+        """Claim this host for controller (`epoch`, `owner`) and keep its note (for a snapshot
+        `step`; None: the run's own note; `note` None: the claim alone) unless a controller that
+        orders after it claimed the host; returns the claim that holds it."""
+        held = node_memory.claim(run_id, epoch, owner)
+        if held == (epoch, owner) and note is not None:
             node_memory.write_note(run_id, step, note)
         return held
 

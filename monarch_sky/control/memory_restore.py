@@ -10,8 +10,10 @@ agents on every group's hosts:
   picks the newest step whose snapshot some group's hosts hold whole. Those groups load it at
   setup, the others heal from them live, and training goes on from that step;
 - at the run's orderly end, the memory is given back (`forget`).
-Each note carries the controller's epoch: a host claimed by a newer controller of the run
-refuses an older one's notes (the fence, `NodeMemory.fenced_by`).
+Each note carries the controller's claim, (epoch, owner token): a host claimed by a controller
+that orders after it (a newer epoch, or the same epoch and a greater token: two standbys that
+woke at once) refuses its notes (the fence, `NodeMemory.fenced_by`). A controller claims every
+host before it reaps anything there, so the loser of a tie never kills the winner's processes.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
+import socket
 import statistics
 import time
 from collections import Counter
@@ -45,6 +49,7 @@ class NodeMemory:
         self.ctx = ctx
         self.every = snapshot_every(ctx.cfg)
         self.epoch = 1  # this controller's: one more than any the hosts were claimed by (`survey`)
+        self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"  # tells a tie apart
         self.noted = 0  # the newest snapshot step noted
         self.fired: list[str] = []  # scheduled faults fired, by this controller and those before it
         self.fenced_by: int | None = None  # a newer controller's epoch, once a host said so
@@ -56,22 +61,45 @@ class NodeMemory:
 
     async def survey(self, agents: list) -> MemoryPoint | None:
         """What the slots' hosts hold of this run (`agents`: each slot's host agent mesh), and
-        the point to go on from, if any. Claims nothing yet: the first note does."""
-        listings: dict[str, dict] = {}
-        slot_hosts = {slot.index: [h.address for h in slot.hosts] for slot in self.ctx.slots}
-        reaped = 0
-        for hosts, agent in zip(slot_hosts.values(), agents):
-            bound = self.ctx.cfg.timeouts.stop_s
-            reaped += sum((await asyncio.wait_for(resolved(agent.reap_others.call()), bound)).values())
-            answers = await asyncio.wait_for(resolved(agent.memory.call(self.ctx.cfg.run_id)), bound)
-            for point, listing in answers.items():
-                listings[hosts[point["hosts"]]] = listing
-        found = choose(listings, slot_hosts, self.ctx.cfg.procs_per_replica, self.ctx.cfg.steps)
+        the point to go on from, if any. Claims every host first, then reaps what an earlier
+        controller left running there; None and `fenced_by` set if another controller holds one."""
+        slot_hosts = self._slot_hosts()
+        listings = await self._listings(agents, slot_hosts)
         self.epoch = 1 + max((listing.get("epoch", 0) for listing in listings.values()), default=0)
+        claim = (self.epoch, self.owner)
+        run_id = self.ctx.cfg.run_id
+        for answers in await self._gather(a.note.call(run_id, self.epoch, self.owner, None, None) for a in agents):
+            newer = max((tuple(held) for held in answers.values()), default=claim)
+            if newer > claim and self.fenced_by is None:
+                self.fenced_by = newer[0]
+                self.ctx.record.event("controller_fenced", epoch=self.epoch, newer_epoch=newer[0], at="survey")
+        if self.fenced_by is not None:
+            return None
+        reaped = sum(sum(answers.values()) for answers in await self._gather(a.reap_others.call() for a in agents))
+        listings = await self._listings(agents, slot_hosts)  # what the reaped processes finished meanwhile
+        found = choose(listings, slot_hosts, self.ctx.cfg.procs_per_replica, self.ctx.cfg.steps)
         held = sum(len(listing["snapshots"]) for listing in listings.values())
         self.ctx.record.event("node_memory_surveyed", hosts=len(listings), snapshots=held, epoch=self.epoch,
                               step=found.step if found else None, reaped_processes=reaped)
         return found
+
+    def _slot_hosts(self) -> dict[int, list[str]]:
+        return {slot.index: [h.address for h in slot.hosts] for slot in self.ctx.slots}
+
+    async def _gather(self, calls) -> list[dict]:
+        """The calls' answers at once, each bounded, in order; a slot's hosts that did not answer
+        answer nothing (their memory, if any, cannot be reached either)."""
+        bound = self.ctx.cfg.timeouts.stop_s
+        answers = await asyncio.gather(*(asyncio.wait_for(resolved(c), bound) for c in calls), return_exceptions=True)
+        for error in (a for a in answers if isinstance(a, BaseException)):
+            log.info("a host did not answer the node memory survey: %s", error)
+        return [{} if isinstance(a, BaseException) else a for a in answers]
+
+    async def _listings(self, agents: list, slot_hosts: dict[int, list[str]]) -> dict[str, dict]:
+        run_id = self.ctx.cfg.run_id
+        answers = await self._gather(a.memory.call(run_id) for a in agents)
+        return {slot_hosts[index][point["hosts"]]: listing
+                for index, per_host in zip(slot_hosts, answers) for point, listing in per_host.items()}
 
     def after_step(self, r) -> None:
         """Account a step's snapshot work (`r`: its StepResult); note the newest snapshot step
@@ -136,15 +164,16 @@ class NodeMemory:
 
     async def _write(self, step: int | None, note: dict[str, Any]) -> None:
         run_id = self.ctx.cfg.run_id
-        for answers in await self._ask_all(lambda agent: agent.note.call(run_id, self.epoch, step, note)):
+        claim = (self.epoch, self.owner)
+        for answers in await self._ask_all(lambda agent: agent.note.call(run_id, self.epoch, self.owner, step, note)):
             if isinstance(answers, BaseException):
                 log.info("a node memory note was not written: %s", answers)
                 continue
-            newer = max(answers.values())
-            if newer > self.epoch and self.fenced_by is None:
-                self.fenced_by = newer
-                self.ctx.record.event("controller_fenced", epoch=self.epoch, newer_epoch=newer)
-                self.ctx.display.line(f"monarch-sky: a newer controller of this run (epoch {newer}) claimed its "
+            newer = max(tuple(held) for held in answers.values())
+            if newer > claim and self.fenced_by is None:
+                self.fenced_by = newer[0]
+                self.ctx.record.event("controller_fenced", epoch=self.epoch, newer_epoch=newer[0])
+                self.ctx.display.line(f"monarch-sky: a newer controller of this run (epoch {newer[0]}) claimed its "
                                       f"hosts: this one (epoch {self.epoch}) stops driving it and leaves them be")
 
     async def held_by(self, slot) -> MemoryPoint | None:

@@ -68,12 +68,38 @@ def test_the_controller_mirrors_the_trainers_snapshot_steps():
 
 def test_a_newer_controller_fences_an_older_one_out(tmp_path, monkeypatch):
     monkeypatch.setenv(node_memory.ROOT_ENV, str(tmp_path))
-    assert node_memory.claim("run", 2) == 2
-    assert node_memory.claim("run", 1) == 2, "the older controller is told who holds the host"
-    assert node_memory.claim("run", 3) == 3
+    assert node_memory.claim("run", 2, "a") == (2, "a")
+    assert node_memory.claim("run", 1, "b") == (2, "a"), "the older controller is told who holds the host"
+    assert node_memory.claim("run", 3, "b") == (3, "b")
+    assert node_memory.claim("run", 3, "b") == (3, "b"), "a controller's own claim stands again"
     for step in (10, 20, 30, 40):
         node_memory.write_note("run", step, {"step": step, "data_states": {"0": [{"b": b"\xff"}]}})
     listing = node_memory.listing("run")
     assert sorted(listing["notes"]) == [20, 30, 40] and listing["epoch"] == 3
     assert listing["notes"][40]["data_states"]["0"] == [{"b": b"\xff"}]
     assert node_memory.drop_run("run") > 0 and node_memory.listing("run")["notes"] == {}
+
+
+def test_two_controllers_that_count_the_same_epoch_never_both_hold_a_node(tmp_path, monkeypatch):
+    # Two standbys woke at once, read the same epochs and claim with the same one: the owner
+    # token orders them, so after the race one claim holds and every other is refused at its
+    # next note, whatever order the claims landed in.
+    import threading
+
+    monkeypatch.setenv(node_memory.ROOT_ENV, str(tmp_path))
+    owners = [f"standby-{i}" for i in range(8)]
+    start = threading.Barrier(len(owners))
+
+    def claim(owner):
+        start.wait()
+        node_memory.claim("run", 4, owner)
+
+    threads = [threading.Thread(target=claim, args=(o,)) for o in owners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    standing = [o for o in owners if node_memory.claim("run", 4, o) == (4, o)]
+    assert len(standing) == 1, standing
+    assert node_memory.read_claim("run") == (4, standing[0])
+    assert node_memory.claim("run", 3, "zzz") == (4, standing[0]), "an older epoch never wins on its token"
