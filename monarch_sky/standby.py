@@ -29,6 +29,7 @@ NEW_RUN_ENV = "MONARCH_SKY_NEW_RUN"  # its first controller of a run id the stan
 WAITS_ENV = "MONARCH_SKY_CONTROLLER_WAITS"  # a warm controller: it waits for its standby's word first
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+WORKER_GONE_AFTER = 3  # this node's worker missed that many probes in a row: the run ended here
 
 
 def is_controller_child() -> bool:
@@ -75,13 +76,27 @@ def stand_by(argv: list[str], run_id: str, new_run: bool, max_restarts: int) -> 
             restarts += 1
             print(f"monarch-sky standby: the controller of run {run_id} was lost ({name}); the next one "
                   f"({restarts}/{max_restarts}) goes on from the hosts' node memory", flush=True)
-            ready.stdin.write(f"{time.time():.3f}\n".encode())
-            ready.stdin.close()
-            child, ready = ready, (warm() if restarts < max_restarts else None)
+            child, ready = _wake(ready, command, env), (warm() if restarts < max_restarts else None)
     finally:
         if ready is not None and ready.poll() is None:
             ready.kill()
             ready.wait()
+
+
+def _wake(ready: subprocess.Popen, command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Tell the warm controller to go on; if it died meanwhile (its pipe is broken), start a cold
+    one in its place with the same word, so a dead standby-in-waiting costs an interpreter start,
+    not the run."""
+    lost_at = f"{time.time():.3f}"
+    try:
+        ready.stdin.write(f"{lost_at}\n".encode())
+        ready.stdin.close()
+        return ready
+    except (BrokenPipeError, ValueError, OSError):
+        ready.wait()
+        print(f"monarch-sky standby: the warm controller had ended (exit {ready.returncode}); starting a cold one",
+              flush=True)
+        return subprocess.Popen(command, env={**env, NEW_RUN_ENV: "0", LOST_AT_ENV: lost_at})
 
 
 def wait_for_the_word() -> None:
@@ -143,8 +158,10 @@ def watch_and_take_over(doors: list[str], local_worker: str, after_s: float, arg
     worker = parse_address(local_worker, "worker")
     seen = False
     silent_since = None
+    worker_missed = 0
     while True:
-        if not reachable(worker.ip, worker.port, 2.0):
+        worker_missed = 0 if reachable(worker.ip, worker.port, 2.0) else worker_missed + 1
+        if worker_missed >= WORKER_GONE_AFTER:  # one miss may be a busy node, not a finished run
             return 0  # this node's worker is done: the run ended (or this node is on its way out)
         if any(reachable(d.ip, d.port, 1.0) for d in watched):
             seen, silent_since = True, None
