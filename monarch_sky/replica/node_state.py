@@ -145,10 +145,11 @@ class NodeState:
                 snap = write(self.folder / node_memory.snapshot_name(*name),
                              self.folder / node_memory.partial_name(*name), state, header)
         except (OSError, NodeStateError, heal_wire.HealWireError) as e:
-            self._error = f"{type(e).__name__}: {e}"
-            snap = None
-        with self._lock:
-            if snap is not None:
+            snap, error = None, f"{type(e).__name__}: {e}"
+        with self._lock:  # the training thread takes the error (`take_error`) under the same lock
+            if snap is None:
+                self._error = error
+            else:
                 self._newest = snap
                 self.stats.taken += 1
                 self.stats.nbytes = snap.packed.nbytes
@@ -187,7 +188,8 @@ class NodeState:
         return snap.packed if snap is not None and snap.meta["version"] == version else None
 
     def take_error(self) -> str | None:
-        error, self._error = self._error, None
+        with self._lock:
+            error, self._error = self._error, None
         if error:
             self.stats.errors.append(error)
         return error
