@@ -88,6 +88,9 @@ class TCPHealTransport(CheckpointTransport[dict]):
         except HealInterrupted as e:  # the next heal (TorchFT's next quorum, another peer) goes on from here
             self._partial = e.partial
             raise
+        except BaseException:  # a source gone before its first byte: what earlier heals kept still counts
+            self._partial = partial
+            raise
         with self._lock:
             self._stats.path = path
             self._stats.kept_bytes += kept

@@ -58,6 +58,31 @@ def test_a_heal_whose_source_is_lost_resumes_from_another_peer_where_it_broke_of
             t.shutdown()
 
 
+def test_the_pieces_kept_outlive_a_next_source_that_is_gone_before_its_first_byte(monkeypatch, small_pieces):
+    # A chain of faults: the first source is lost mid-heal, the next quorum's source is gone
+    # before it answers at all; the heal after that still fetches only the rest.
+    state = rank_state()
+    first, gone, third = serving(state), serving(state), serving(state)
+    rejoiner = TCPHealTransport("127.0.0.1", SECRET, timeout_s=10)
+    try:
+        lose_mid_heal(monkeypatch, first)
+        with pytest.raises(HealInterrupted) as broke:
+            rejoiner.recv_checkpoint(0, first.metadata(), 5, timedelta(seconds=10))
+        kept = broke.value.partial.nbytes
+        assert kept > 0, "test premise: the source must be lost mid-heal"
+        monkeypatch.delenv("MONARCH_SKY_TEST_HEAL_PACE")
+        gone.shutdown()
+        with pytest.raises(Exception):
+            rejoiner.recv_checkpoint(0, gone.metadata(), 5, timedelta(seconds=10))
+        rejoiner.take_stats()
+        got = rejoiner.recv_checkpoint(0, third.metadata(), 5, timedelta(seconds=10))
+        assert_same(got, state)
+        assert rejoiner.take_stats().kept_bytes == kept, "the failed heal in between threw nothing away"
+    finally:
+        for t in (first, gone, third, rejoiner):
+            t.shutdown()
+
+
 def test_a_resumed_heal_refetches_every_piece_the_new_source_holds_otherwise(monkeypatch, small_pieces):
     # The state the next source serves moved on (a DiLoCo inner step, a state served anew):
     # pieces kept from the lost source whose bytes differ there are fetched again.
