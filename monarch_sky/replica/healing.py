@@ -145,6 +145,26 @@ class RankLocalState:
                 if a.shape != b.shape or a.dtype != b.dtype:
                     raise HealStateMismatch(f"{name}: the peer sent {b.dtype} {tuple(b.shape)}, this rank holds "
                                             f"{a.dtype} {tuple(a.shape)}")
+        self._check_optimizer_state(state)
+
+    def _check_optimizer_state(self, state: dict[str, Any]) -> None:
+        """What `check`'s key-by-key comparison cannot see: the optimizer state of a parameter
+        this rank lacks, moments this rank has none of yet (a fresh rejoiner) whose shape is not
+        their parameter's, and a different number of param groups."""
+        for opt_state in state.get("optimizer", []):
+            unknown = sorted(set(opt_state) - set(self._params))
+            if unknown:
+                raise HealStateMismatch(f"the peer sent optimizer state of unknown parameters {unknown[:3]}")
+            for name, values in opt_state.items():
+                shape = local_tensor(self._params[name]).shape
+                for key, value in values.items():
+                    if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape:
+                        raise HealStateMismatch(f"{name}.{key}: the peer sent {tuple(value.shape)}, the parameter "
+                                                f"here is {tuple(shape)}")
+        groups = state.get("param_groups", [])
+        mine = [len(opt.param_groups) for opt in self._optimizers()]
+        if [len(g) for g in groups] != mine:
+            raise HealStateMismatch(f"the peer sent param groups {[len(g) for g in groups]}, this rank has {mine}")
 
     def _optimizer_state(self, opt) -> dict[str, dict[str, torch.Tensor]]:
         return {
