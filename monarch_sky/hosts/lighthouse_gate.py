@@ -59,9 +59,13 @@ async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
         writer.close()
 
 
-def loopback_peer_uid(sock: socket.socket) -> int | None:
+NO_OWNER = -1  # the connection is not in the table (its peer already gone): refused, never waved through
+
+
+def loopback_peer_uid(sock: socket.socket, table: str = "/proc/net/tcp") -> int | None:
     """The user owning the other end of a loopback TCP connection (Linux's /proc/net/tcp: the
-    socket whose local address is our peer's), or None where that cannot be told."""
+    socket whose local address is our peer's); NO_OWNER when the table has no such socket, None
+    where the table cannot be read (not Linux)."""
     peer, local = sock.getpeername()[:2], sock.getsockname()[:2]
 
     def hex_address(host: str, port: int) -> str:
@@ -69,14 +73,16 @@ def loopback_peer_uid(sock: socket.socket) -> int | None:
 
     want = (hex_address(*peer), hex_address(*local))
     try:
-        with open("/proc/net/tcp") as table:
-            for line in list(table)[1:]:
+        with open(table) as rows:
+            for line in list(rows)[1:]:
                 fields = line.split()
                 if (fields[1], fields[2]) == want:
                     return int(fields[7])
-    except (OSError, ValueError, IndexError):
+    except OSError:
         return None
-    return None
+    except (ValueError, IndexError):
+        return NO_OWNER
+    return NO_OWNER
 
 
 class Relay:

@@ -112,3 +112,23 @@ def test_a_door_on_a_shared_node_answers_only_its_own_users_processes():
         echo.close()
     assert mine.stdout.strip() == "b'ping'", mine.stderr
     assert theirs.stdout.strip() == "b'closed'" and door.refused == 1, theirs.stdout + theirs.stderr
+
+
+def test_a_connection_the_socket_table_does_not_know_is_refused_not_waved_through(tmp_path):
+    # The peer-uid check reads Linux's socket table; a connection missing from it (its peer
+    # gone meanwhile, or a table that lists other sockets) has no owner, and must not pass.
+    import os
+    import socket
+
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    conn, _ = server.accept()
+    empty = tmp_path / "tcp"
+    empty.write_text("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid\n")
+    try:
+        assert lighthouse_gate.loopback_peer_uid(conn) == os.getuid(), "the real table knows our own process"
+        assert lighthouse_gate.loopback_peer_uid(conn, str(empty)) == lighthouse_gate.NO_OWNER
+        assert lighthouse_gate.loopback_peer_uid(conn, str(tmp_path / "absent")) is None
+    finally:
+        for s in (conn, client, server):
+            s.close()
