@@ -59,6 +59,30 @@ class SkyPilotHosts(AddressListHosts):
         self.ledger = ledger
         self.clusters: dict[str, str] = {}  # name -> launching, up, going down, down, left up
         self._downs: dict[str, threading.Thread] = {}
+        self._left_by_a_controller_before()
+
+    def _left_by_a_controller_before(self) -> None:
+        """A controller of this run that came back (same node, same run record) finds in the
+        ledger the clusters its predecessor launched: none is any group's now, so each not yet
+        down goes down, and new names go on after theirs (a reused name would be relaunched
+        onto whatever is left of the old cluster)."""
+        states: dict[str, str] = {}
+        try:
+            with open(self.ledger or "") as f:
+                for line in f:
+                    try:
+                        entry = json.loads(line)
+                        states[entry["cluster"]] = entry["state"]
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a line cut short by the lost controller
+        except OSError:
+            return
+        self.clusters.update(states)
+        for name, state in states.items():
+            if state != "down":
+                log.warning("replacement cluster %s of an earlier controller of this run is %s: taking it down",
+                            name, state)
+                self._take_down(name)
 
     def provision(self, lost: Host) -> Host:
         with self.lock:  # two groups lost in one tick get two clusters
@@ -83,7 +107,10 @@ class SkyPilotHosts(AddressListHosts):
             yaml.safe_dump(config, f)
         # The run's CA and the hub token travel from this node's environment, never through the YAML file.
         secrets = [arg for name in FORWARDED_SECRETS if os.environ.get(name) for arg in ("--secret", name)]
-        self._sky("launch", "-y", "--detach-run", "-c", cluster, *secrets, f.name)
+        try:
+            self._sky("launch", "-y", "--detach-run", "-c", cluster, *secrets, f.name)
+        finally:
+            os.unlink(f.name)
         ip = self._sky("status", "--ip", cluster).strip().splitlines()[-1]
         host = Host(name=cluster, ip=ip, port=self.port)
         self._wait_up(host)
@@ -93,11 +120,19 @@ class SkyPilotHosts(AddressListHosts):
         if host.name in self.clusters:  # a lost replacement: no group comes back to it
             self._take_down(host.name)
 
+    def give_back(self, host: Host) -> None:
+        """A replacement no group took (its group was given up, a refill came too late): it
+        goes down now rather than wait, billed, for a fault that may never come."""
+        if host.name in self.clusters:
+            self._take_down(host.name)
+        else:
+            super().give_back(host)
+
     def shutdown(self) -> None:
         """Take down every replacement cluster, side by side; raises HostError naming any left up."""
         super().shutdown()
         with self.lock:
-            names = list(self.clusters)
+            names = [name for name, state in self.clusters.items() if state != "down"]
         threads = [self._take_down(name) for name in names]
         deadline = time.monotonic() + DOWN_S + 10.0
         for thread in threads:

@@ -132,3 +132,33 @@ def test_a_cluster_left_up_is_named_with_the_command_that_takes_it_down(tmp_path
                "target_steps": 5, "wall_s": 1.0, "checkpoints_written": 0, "clusters_left_up": hosts.left_up()}
     printed = format_summary(summary).splitlines()
     assert printed[-1].strip().startswith("STILL UP") and "`sky down -y run-r1`" in printed[-1]
+
+
+def test_a_replacement_no_group_took_goes_down_at_once(tmp_path, monkeypatch, worker):
+    # A group given up while its replacement launched, or a spare refill that came too late:
+    # the cluster is not kept, billed, for a fault that may never come.
+    hosts = provider(tmp_path, monkeypatch, worker)
+    late = hosts.replace(LOST)
+    hosts.give_back(late)
+    wait_for(lambda: hosts.clusters.get(late.name) == "down")
+    assert hosts.spares == [], "a cluster given back is not handed out again"
+    hosts.shutdown()
+    assert [name for name, _ in calls(tmp_path, "down-begin")] == [late.name]
+
+
+def test_a_controller_that_comes_back_takes_down_what_the_lost_one_left_up(tmp_path, monkeypatch, worker):
+    # The controller was lost with two replacement clusters up (one it was launching); the
+    # next one, on the same run record, takes both down at once and names its own after them.
+    lost = provider(tmp_path, monkeypatch, worker)
+    for _ in range(2):
+        lost.replace(LOST)
+    lost.give_back(lost.replace(LOST))  # run-r2 went down under the lost controller
+    wait_for(lambda: lost.clusters.get("run-r2") == "down")
+    with open(tmp_path / "clusters.jsonl", "a") as f:
+        f.write('{"wall": 1, "cluster": "run-r3", "state": "launching"}\n{"wall": 2, "clus')  # cut off mid-line
+    again = provider(tmp_path, monkeypatch, worker)
+    wait_for(lambda: all(again.clusters.get(n) == "down" for n in ("run-r0", "run-r1", "run-r3")))
+    assert again.replace(LOST).name == "run-r4", "no name of the lost controller's is launched again"
+    again.shutdown()
+    downs = [name for name, _ in calls(tmp_path, "down-begin")]
+    assert sorted(downs) == ["run-r0", "run-r1", "run-r2", "run-r3", "run-r4"], (downs, (tmp_path / "clusters.jsonl").read_text())
