@@ -8,7 +8,7 @@ SKY_VENV := .venv-sky
 SKY_STAMP := $(SKY_VENV)/.installed
 ARGS ?=
 
-.PHONY: train test e2e chaos soak bench bench-heal bench-controller bench-scale bench-scale-groups bench-recovery e2e-sky e2e-sky-nodes clean clean-runs
+.PHONY: train test e2e chaos soak bench bench-heal bench-controller bench-scale bench-scale-groups bench-recovery e2e-sky e2e-sky-nodes e2e-sky-takeover clean clean-runs
 
 # torch first and pinned, so nothing after it can pull another build. With no GPU here, the CPU
 # wheel from PyTorch's CPU index (the default index has the multi-GB CUDA one); where that index
@@ -97,6 +97,11 @@ e2e-sky: $(STAMP) $(SKY_STAMP)
 # cloud recipes' shape): the lost node's group moves onto it. Knobs: see tools/e2e_sky_nodes.sh.
 e2e-sky-nodes: $(STAMP) $(SKY_STAMP)
 	bash tools/e2e_sky_nodes.sh
+
+# The same cluster losing node 0, the controller's, with its memory: node 1's standby must take the
+# run over from the other nodes' memory and train it to its end (the cloud recipes' shape, a spare).
+e2e-sky-takeover: $(STAMP) $(SKY_STAMP)
+	E2E_LOST=1 E2E_SPARES=1 bash tools/e2e_sky_nodes.sh
 
 # The virtual environments and caches; your run records in runs/ stay (`make clean-runs`).
 clean:
