@@ -280,10 +280,13 @@ class FaultInjector:
         return sum(r.rejoined_at is not None for r in self.records)
 
 
+NOTE_BACKSTOP_S = 30.0  # a note's host calls time out by themselves well before this
+
+
 async def _kill_this_process(delay_s: float, noted) -> None:
     """SIGKILL this controller after `delay_s`, once the fault is noted where the next
     controller looks (`noted`: a task writing it to node memory), so it never fires twice."""
     await asyncio.sleep(delay_s)
-    if noted is not None:
-        await asyncio.wait({noted}, timeout=2.0)
+    if noted is not None:  # its calls are bounded (seconds); this only backs them up
+        await asyncio.wait({noted}, timeout=NOTE_BACKSTOP_S)
     os.kill(os.getpid(), signal.SIGKILL)
