@@ -48,8 +48,10 @@
 # E2E_LOST=1 loses node 0 instead (e2e-n1: the controller and group 0), with E2E_SPARES=1 (the
 # recipes' shape): every node keeps its trainers' state in its own /dev/shm (a directory bound
 # over it, emptied when the node is lost), node 1's standby stops hearing node 0's controller
-# door and takes the run over, node 0 comes back with slurmd only (its bootstrap is not run
-# again: a second rank-0 controller would take the run back). Passes (E2E_EXPECT=takeover, the
+# door and takes the run over, node 0 stays down (its slurmd back would end the Slurm job at once:
+# it held the batch script, and slurmctld cancels a job whose batch node restarted without it,
+# "Batch JobId=N missing from batch node"; left down, Slurm ends the job after SlurmdTimeout,
+# 300 s, which the run's rest must fit in). Passes (E2E_EXPECT=takeover, the
 # default then) when the run ends with every step from node memory, no checkpoint and no bucket:
 # its three groups on e2e-n2..4, equal digests.
 # E2E_EXPECT says what passes: heal (default, the recipe's promise): group 2 rejoins at
@@ -421,8 +423,7 @@ sleep "$DOWN_S"
 if [ "$LOSS" = worker ]; then
   say "nothing is restarted: what sky/bootstrap.sh and SkyPilot do with a dead worker is the test"
 elif [ "$LOST" = 1 ]; then
-  start_node "$LOST"
-  say "node $(ns $LOST) comes back with slurmd only: the run goes on without it, on the spare (its bootstrap again would be a second controller)"
+  say "node $(ns $LOST) stays down: its slurmd back would make Slurm end the job (the batch script was there); the run goes on without it, on the spare"
 else
 say "node $(ns $LOST) comes back: slurmd$([ "$LOSS" = reboot ] && echo ' (new boot time)'), then sky/bootstrap.sh as SkyPilot ran it there (rank $((LOST - 1))), in allocation $JOBID"
 if [ "$LOSS" = reboot ]; then start_node "$LOST" reboot; else start_node "$LOST"; fi
