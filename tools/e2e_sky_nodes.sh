@@ -292,7 +292,10 @@ say "taking down any earlier $CLUSTER cluster, then pre-seeding uv and each node
 "$SKY" down -y "$CLUSTER" > /dev/null 2>&1 || true
 NAME=$CLUSTER-$(cat /root/.sky/user_hash)
 CHOME=/home/sky/.sky_clusters/$NAME  # the cluster's shared home: HOME of every setup and run
-rm -rf "$CHOME/sky_workdir/runs"  # an earlier try's record (one cut short keeps its home) would pass for this run's
+# A try cut short keeps its cluster home: its run record would pass for this run's, and SkyPilot's
+# setup-done signal file there (~/.sky_setup_done_<slurm job>_<job>, the same ids again on a fresh
+# slurmctld) would let the run start before this setup finished.
+rm -rf "$CHOME"
 seed_uv "$CHOME"
 for ((i = 1; i <= NODES; i++)); do  # the runtime dir is node-local (/tmp/<cluster>): seed it on each node
   nsenter -t "$(node_pid "$i")" -m -u sudo -u sky sh -c \
