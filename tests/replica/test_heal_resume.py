@@ -34,20 +34,25 @@ def lose_mid_heal(monkeypatch, source: TCPHealTransport, after_s: float = 0.6) -
     threading.Timer(after_s, source.shutdown).start()
 
 
+def broken_off(monkeypatch, rejoiner: TCPHealTransport, source: TCPHealTransport) -> int:
+    """Heal `rejoiner` from `source`, lost mid-heal; the bytes the broken heal kept."""
+    lose_mid_heal(monkeypatch, source)
+    with pytest.raises(HealInterrupted) as broke:
+        rejoiner.recv_checkpoint(0, source.metadata(), 5, timedelta(seconds=10))
+    monkeypatch.delenv("MONARCH_SKY_TEST_HEAL_PACE")
+    return broke.value.partial.nbytes
+
+
 def test_a_heal_whose_source_is_lost_resumes_from_another_peer_where_it_broke_off(monkeypatch, small_pieces):
     state = rank_state()
     first, second = serving(state), serving(state)
     rejoiner = TCPHealTransport("127.0.0.1", SECRET, timeout_s=10)
     try:
-        lose_mid_heal(monkeypatch, first)
-        with pytest.raises(HealInterrupted) as broke:
-            rejoiner.recv_checkpoint(0, first.metadata(), 5, timedelta(seconds=10))
-        kept = broke.value.partial.nbytes
+        kept = broken_off(monkeypatch, rejoiner, first)
         total = heal_wire.pack(state, 5).nbytes
         assert 0 < kept < total, f"test premise: the source must be lost mid-heal ({kept} of {total} bytes)"
         rejoiner.take_stats()
 
-        monkeypatch.delenv("MONARCH_SKY_TEST_HEAL_PACE")
         got = rejoiner.recv_checkpoint(0, second.metadata(), 5, timedelta(seconds=10))
         assert_same(got, state)
         stats = rejoiner.take_stats()
@@ -65,12 +70,8 @@ def test_the_pieces_kept_outlive_a_next_source_that_is_gone_before_its_first_byt
     first, gone, third = serving(state), serving(state), serving(state)
     rejoiner = TCPHealTransport("127.0.0.1", SECRET, timeout_s=10)
     try:
-        lose_mid_heal(monkeypatch, first)
-        with pytest.raises(HealInterrupted) as broke:
-            rejoiner.recv_checkpoint(0, first.metadata(), 5, timedelta(seconds=10))
-        kept = broke.value.partial.nbytes
+        kept = broken_off(monkeypatch, rejoiner, first)
         assert kept > 0, "test premise: the source must be lost mid-heal"
-        monkeypatch.delenv("MONARCH_SKY_TEST_HEAL_PACE")
         gone.shutdown()
         with pytest.raises(Exception):
             rejoiner.recv_checkpoint(0, gone.metadata(), 5, timedelta(seconds=10))
