@@ -92,8 +92,10 @@ def _wake(ready: subprocess.Popen, command: list[str], env: dict[str, str]) -> s
         ready.stdin.write(f"{lost_at}\n".encode())
         ready.stdin.close()
         return ready
-    except (BrokenPipeError, ValueError, OSError):
-        ready.wait()
+    except (OSError, ValueError):  # BrokenPipeError: it is gone, or closed its end
+        if ready.poll() is None:
+            ready.kill()
+        ready.wait(timeout=30)
         print(f"monarch-sky standby: the warm controller had ended (exit {ready.returncode}); starting a cold one",
               flush=True)
         return subprocess.Popen(command, env={**env, NEW_RUN_ENV: "0", LOST_AT_ENV: lost_at})

@@ -66,16 +66,12 @@ class NodeMemory:
         slot_hosts = self._slot_hosts()
         listings = await self._listings(agents, slot_hosts)
         self.epoch = 1 + max((listing.get("epoch", 0) for listing in listings.values()), default=0)
-        claim = (self.epoch, self.owner)
-        run_id = self.ctx.cfg.run_id
-        for answers in await self._gather(a.note.call(run_id, self.epoch, self.owner, None, None) for a in agents):
-            newer = max((tuple(held) for held in answers.values()), default=claim)
-            if newer > claim and self.fenced_by is None:
-                self.fenced_by = newer[0]
-                self.ctx.record.event("controller_fenced", epoch=self.epoch, newer_epoch=newer[0], at="survey")
-        if self.fenced_by is not None:
+        run_id, bound = self.ctx.cfg.run_id, self.ctx.cfg.timeouts.stop_s
+        claims = await self._gather((a.note.call(run_id, self.epoch, self.owner, None, None) for a in agents), bound)
+        if self._hear(claims, at="survey"):
             return None
-        reaped = sum(sum(answers.values()) for answers in await self._gather(a.reap_others.call() for a in agents))
+        reaps = await self._gather((a.reap_others.call() for a in agents), bound)
+        reaped = sum(sum(per_host.values()) for per_host in reaps)
         listings = await self._listings(agents, slot_hosts)  # what the reaped processes finished meanwhile
         found = choose(listings, slot_hosts, self.ctx.cfg.procs_per_replica, self.ctx.cfg.steps)
         held = sum(len(listing["snapshots"]) for listing in listings.values())
@@ -86,18 +82,29 @@ class NodeMemory:
     def _slot_hosts(self) -> dict[int, list[str]]:
         return {slot.index: [h.address for h in slot.hosts] for slot in self.ctx.slots}
 
-    async def _gather(self, calls) -> list[dict]:
-        """The calls' answers at once, each bounded, in order; a slot's hosts that did not answer
-        answer nothing (their memory, if any, cannot be reached either)."""
-        bound = self.ctx.cfg.timeouts.stop_s
+    @staticmethod
+    async def _gather(calls, bound: float) -> list[dict]:
+        """The host agents' answers to `calls` at once, each bounded by `bound`, in order; hosts
+        that did not answer answer nothing (their memory, if any, cannot be reached either)."""
         answers = await asyncio.gather(*(asyncio.wait_for(resolved(c), bound) for c in calls), return_exceptions=True)
         for error in (a for a in answers if isinstance(a, BaseException)):
-            log.info("a host did not answer the node memory survey: %s", error)
+            log.info("a host agent did not answer about node memory: %s", error)
         return [{} if isinstance(a, BaseException) else a for a in answers]
+
+    def _hear(self, answers: list[dict], **where) -> bool:
+        """The fence: whether the hosts' answers (each the claim that holds it) name a controller
+        that orders after this one, for the first time (then `fenced_by` is its epoch)."""
+        claim = (self.epoch, self.owner)
+        newer = max((tuple(held) for per_host in answers for held in per_host.values()), default=claim)
+        if newer <= claim or self.fenced_by is not None:
+            return False
+        self.fenced_by = newer[0]
+        self.ctx.record.event("controller_fenced", epoch=self.epoch, newer_epoch=newer[0], **where)
+        return True
 
     async def _listings(self, agents: list, slot_hosts: dict[int, list[str]]) -> dict[str, dict]:
         run_id = self.ctx.cfg.run_id
-        answers = await self._gather(a.memory.call(run_id) for a in agents)
+        answers = await self._gather((a.memory.call(run_id) for a in agents), self.ctx.cfg.timeouts.stop_s)
         return {slot_hosts[index][point["hosts"]]: listing
                 for index, per_host in zip(slot_hosts, answers) for point, listing in per_host.items()}
 
@@ -156,25 +163,16 @@ class NodeMemory:
         live = (SlotState.TRAINING, SlotState.REJOINING, SlotState.DONE)
         return [s.agent for s in self.ctx.slots if s.agent is not None and (s.state in live or not live_only)]
 
-    async def _ask_all(self, call, live_only: bool = True) -> list:
-        """`call(agent)` on the slots' hosts at once, each bounded; answers or errors."""
+    async def _ask_all(self, call, live_only: bool = True) -> list[dict]:
+        """`call(agent)` on the slots' hosts at once, each bounded (`_gather`)."""
         bound = min(CALL_S, self.ctx.cfg.timeouts.stop_s)
-        return await asyncio.gather(*(asyncio.wait_for(resolved(call(a)), bound) for a in self._agents(live_only)),
-                                    return_exceptions=True)
+        return await self._gather((call(a) for a in self._agents(live_only)), bound)
 
     async def _write(self, step: int | None, note: dict[str, Any]) -> None:
         run_id = self.ctx.cfg.run_id
-        claim = (self.epoch, self.owner)
-        for answers in await self._ask_all(lambda agent: agent.note.call(run_id, self.epoch, self.owner, step, note)):
-            if isinstance(answers, BaseException):
-                log.info("a node memory note was not written: %s", answers)
-                continue
-            newer = max(tuple(held) for held in answers.values())
-            if newer > claim and self.fenced_by is None:
-                self.fenced_by = newer[0]
-                self.ctx.record.event("controller_fenced", epoch=self.epoch, newer_epoch=newer[0])
-                self.ctx.display.line(f"monarch-sky: a newer controller of this run (epoch {newer[0]}) claimed its "
-                                      f"hosts: this one (epoch {self.epoch}) stops driving it and leaves them be")
+        if self._hear(await self._ask_all(lambda agent: agent.note.call(run_id, self.epoch, self.owner, step, note))):
+            self.ctx.display.line(f"monarch-sky: a newer controller of this run (epoch {self.fenced_by}) claimed its "
+                                  f"hosts: this one (epoch {self.epoch}) stops driving it and leaves them be")
 
     async def held_by(self, slot) -> MemoryPoint | None:
         """The newest state `slot`'s own hosts hold whole, for its next generation to load
@@ -210,10 +208,8 @@ class NodeMemory:
 
     async def forget(self) -> int:
         """Give the run's node memory back on every host a slot holds; bytes freed."""
-        freed = 0
-        for answers in await self._ask_all(lambda agent: agent.forget.call(self.ctx.cfg.run_id), live_only=False):
-            if not isinstance(answers, BaseException):
-                freed += sum(answers.values())
+        answers = await self._ask_all(lambda agent: agent.forget.call(self.ctx.cfg.run_id), live_only=False)
+        freed = sum(sum(per_host.values()) for per_host in answers)
         self.ctx.record.event("node_memory_freed", bytes=freed)
         return freed
 
