@@ -159,7 +159,7 @@ def _case_row(bench: "Bench", kind: str, gb: float, total: int) -> dict:
     if "seconds" in row:
         row["gb_per_s"] = round(row["bytes"] / row["seconds"] / 1e9, 3)
         for side in ("sender", "receiver"):  # memory a case took beyond the state held, x the state moved
-            if row.get(f"{side}_peak_bytes"):
+            if f"{side}_peak_bytes" in row:  # 0 is a measurement too: a side that streams holds no copy
                 row[f"{side}_peak_x"] = round(row[f"{side}_peak_bytes"] / row["bytes"], 2)
     print(f"[bench-heal] {gb:5.2f} GB  {kind:8s} " + (
         f"{row['gb_per_s']:6.2f} GB/s  {row['seconds']:7.2f}s  pause {row.get('pause_s', '-')}  "
