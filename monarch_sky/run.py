@@ -23,7 +23,7 @@ from monarch_sky.control.memory_restore import Superseded
 from monarch_sky.hosts.base import CONTROLLER_ENV, RUN_ID_ENV, HostProvider
 from monarch_sky.hosts.choice import make_provider
 from monarch_sky.hosts.local import reap_run
-from monarch_sky.record.outcome import EXIT_SUPERSEDED, failed, stopped
+from monarch_sky.record.outcome import EXIT_SUPERSEDED, failed, refused, stopped
 from monarch_sky.record.progress import STORY, Display, group_shape
 from monarch_sky.record.tracking import RunFinished, RunRecord, Tracker, previous_attempt
 
@@ -75,9 +75,9 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
     _log_to_console()
     cfg = job.config
     # The job validated (shapes too, where the weights were there): what a preview allows must be here now.
-    refused = insecure_heal(cfg) or hub_assets.tokenizer_problem(cfg.data) or released_weights.missing(cfg.init)
-    if refused:
-        print(f"monarch-sky: config error: {refused}", file=sys.stderr)
+    problem = insecure_heal(cfg) or hub_assets.tokenizer_problem(cfg.data) or released_weights.missing(cfg.init)
+    if problem:
+        print(f"monarch-sky: config error: {problem}", file=sys.stderr)
         return EXIT_CONFIG
     given_id = cfg.run_id is not None and not new_run  # an existing run's, maybe: its hosts' node memory is asked
     run_id = cfg.run_id or new_run_id(cfg.recipe)
@@ -124,6 +124,10 @@ def run_job(job: Job, provider: HostProvider | None = None, new_run: bool = Fals
     except Superseded as e:  # the run's summary, W&B run and hosts are the newer controller's now
         record.event("superseded", reason=str(e))
         display.line(f"monarch-sky: {e}; this controller stopped driving run {run_id} (exit {EXIT_SUPERSEDED})")
+    except CheckpointMismatch as e:  # the run id's node memory is another shape's: nothing trained
+        summary = controller.partial_summary(refused(str(e)))
+        record.event("run_refused", reason=str(e))
+        display.line(f"monarch-sky: cannot go on with run {run_id}: {e}")
     except (Stopped, KeyboardInterrupt) as e:
         signum = e.signum if isinstance(e, Stopped) else signal.SIGINT
         name = signal.Signals(signum).name

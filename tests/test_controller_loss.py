@@ -59,6 +59,13 @@ def test_a_controller_started_again_by_hand_goes_on_from_node_memory(tmp_path):
     first = train(tmp_path, *args, tag=tag)
     assert first.returncode == -signal.SIGKILL, first.output[-3000:]
     assert f"run it again with run_id={tag}" in first.output
+    # The same run id under another shape: its trainers could not load that memory (TorchTitan's
+    # dataloader refuses another dp degree), so the run is refused, naming the field, and the
+    # memory stays for the run again under the saved shape.
+    other = train(tmp_path, *args, "replicas=3", tag=tag)
+    assert other.returncode == 2, other.output[-3000:]
+    assert "was saved with replicas=2; this run asks replicas=3" in other.output, other.output[-3000:]
+    assert other.summary["outcome"]["status"] == "refused" and other.summary["committed_steps"] == 0
     run = train(tmp_path, *args, tag=tag)
     assert_went_on_from_memory(run, lost_at=25)
     assert run.summary["faults_not_fired"] == []

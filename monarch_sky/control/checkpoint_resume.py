@@ -34,6 +34,19 @@ def fingerprint(cfg) -> dict[str, Any]:
     return {key: OmegaConf.select(cfg, key) for key in (*SHAPE, *SETTINGS)}
 
 
+def refuse_other_settings(cfg, saved: dict[str, Any], what: str, kept: str) -> None:
+    """Raises CheckpointMismatch, naming the fields, if `saved` (a `fingerprint`) differs from
+    this run's; `what` was saved under it, `kept` says what becomes of it."""
+    wanted = fingerprint(cfg)
+    differ = [k for k in wanted if k in saved and saved[k] != wanted[k]]
+    if differ:
+        raise CheckpointMismatch(
+            f"{what} was saved with " + ", ".join(f"{k}={saved[k]}" for k in differ)
+            + "; this run asks " + ", ".join(f"{k}={wanted[k]}" for k in differ)
+            + f". Run again with the saved values to go on from it, or pick a new run_id to start afresh ({kept})"
+        )
+
+
 def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
     """At a controller restart: the run's newest complete checkpoint.
 
@@ -55,16 +68,8 @@ def resume_from(cfg, previous: dict[str, Any]) -> Found | None:
         )
     saved = {**found.note.get("settings", {}), **{k: found.note[k] for k in SHAPE if k in found.note}}
     saved.setdefault("hosts_per_replica", 1)  # notes older than groups spanning hosts
-    wanted = fingerprint(cfg)
-    differ = [k for k in wanted if k in saved and saved[k] != wanted[k]]
-    if differ:
-        raise CheckpointMismatch(
-            f"run {cfg.run_id}'s checkpoint at step {found.step} ({found.path}) was saved with "
-            + ", ".join(f"{k}={saved[k]}" for k in differ)
-            + "; this run asks " + ", ".join(f"{k}={wanted[k]}" for k in differ)
-            + ". Run again with the saved values to resume from it, or pick a new run_id to start"
-            " afresh (the checkpoint is kept either way)"
-        )
+    refuse_other_settings(cfg, saved, f"run {cfg.run_id}'s checkpoint at step {found.step} ({found.path})",
+                          "the checkpoint is kept either way")
     previous["resumed_from_step"] = found.step
     previous["steps_lost"] = max(0, previous["last_step"] - found.step)
     previous["discarded_checkpoints"] = checkpoints.discard_newer(folder, found.step)

@@ -29,6 +29,7 @@ from collections import Counter
 from typing import Any
 
 from monarch_sky.common.supervision import resolved
+from monarch_sky.control.checkpoint_resume import fingerprint, refuse_other_settings
 from monarch_sky.control.context import RunContext
 from monarch_sky.control.memory_point import MemoryPoint, choose, snapshot_every
 from monarch_sky.control.slot_state import SlotState
@@ -143,7 +144,7 @@ class NodeMemory:
 
     async def write_run_note(self) -> None:
         await self._write(None, {"run_step": self.ctx.ledger.run_step, "faults_fired": self.fired,
-                                 "epoch": self.epoch, "wall": time.time()})
+                                 "epoch": self.epoch, "wall": time.time(), "settings": fingerprint(self.ctx.cfg)})
 
     def _account(self, r) -> None:
         self.steps += 1
@@ -234,7 +235,12 @@ def restarted_without_memory(ctx: RunContext, previous: dict[str, Any]) -> dict[
 
 def go_on_from(ctx: RunContext, point: MemoryPoint, previous: dict[str, Any] | None) -> dict[str, Any]:
     """Set the run up to go on from `point`: the ledger at its step, each slot's step and data
-    position, the faults fired before; returns what the summary says of it (`controller_lost`)."""
+    position, the faults fired before; returns what the summary says of it (`controller_lost`).
+    Raises CheckpointMismatch if the run that left it had another shape or settings (a run id
+    used again: its trainers could not load it, and would fail at setup)."""
+    refuse_other_settings(ctx.cfg, point.run_note.get("settings", {}),
+                          f"the state of run {ctx.cfg.run_id} at step {point.step} in its hosts' node memory",
+                          f"that memory stays on the hosts until a run under id {ctx.cfg.run_id} ends")
     fired_here = Counter((previous or {}).get("faults_fired", []))
     fired = fired_here | Counter(point.run_note.get("faults_fired", []))
     ctx.injector.pending = once_per_run(ctx.injector.pending, list((fired - fired_here).elements()))

@@ -8,7 +8,8 @@ with the same parameter digest. Anything less says what went wrong:
 | 0    | ok         | target reached; every group finished with equal digests |
 | 1    | incomplete | the target was not reached |
 | 1    | failed     | the controller failed (the reason is in the summary) |
-| 2    | -          | config error (nothing was started) |
+| 2    | refused    | config error: nothing was started, or nothing trained because the run id's state |
+|      |            | in node memory was saved under another shape or settings (the message names them) |
 | 3    | degraded   | target reached, but a group was lost, its final state could not be read, or
 |      |            | every group holding the training state failed at once with no checkpoint to |
 |      |            | load (training restarted from scratch) |
@@ -23,6 +24,7 @@ from typing import Any
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
+EXIT_REFUSED = 2  # the same code as a config error found before anything started
 EXIT_DEGRADED = 3
 EXIT_DIVERGED = 4
 EXIT_SUPERSEDED = 5
@@ -58,10 +60,14 @@ def failed(error: str) -> dict[str, Any]:
     return _outcome(EXIT_INCOMPLETE, "failed", [error])
 
 
+def refused(error: str) -> dict[str, Any]:
+    return _outcome(EXIT_REFUSED, "refused", [error])
+
+
 def resumable(summary: dict[str, Any]) -> bool:
     """A run that did not reach its target (stopped, failed, incomplete) may be started
     again under the same run id; one that did has nothing left to train."""
-    return (summary.get("outcome") or {}).get("status") in ("stopped", "failed", "incomplete")
+    return (summary.get("outcome") or {}).get("status") in ("stopped", "failed", "incomplete", "refused")
 
 
 def _outcome(code: int, status: str, reasons: list[str]) -> dict[str, Any]:
