@@ -17,6 +17,9 @@ the time the target's processes came back). The definitions:
   trained data the wall time bought (TorchFT's step averages over the groups in it, so a
   step with fewer groups trains on less);
 - median step: median gap between the first commits of consecutive run steps;
+- group step: the median over groups of each group's median gap between its own consecutive
+  committed steps. In DiLoCo the groups' inner steps are not in lockstep, and the run step
+  advances with whichever group is ahead, so the median step there is shorter than any group's;
 - between steps: median time a group spends outside its own step, from one step's end to the
   next one's (consecutive steps of one replica: the gap in wall time less the step's own
   seconds). For monarch-sky that is the controller's turn (result back, next call out); for
@@ -72,6 +75,7 @@ def arm_stats(lines: list[dict], started: float, ended: float, target: int) -> d
         "work_rate": _ratio(sum(line["wall"] <= reached[0] for line in kept), to_target) if to_target else None,
         "loss_at_target": _loss_at(kept, target),
         "median_step_s": _median_gap(firsts),
+        "group_step_s": _group_step(lines),
         "first_step_s": round(firsts[1] - started, 2) if 1 in firsts else None,
         "between_steps_s": between_steps(lines),
     }
@@ -122,6 +126,15 @@ def _ratio(num: float, den: float) -> float | None:
 def _loss_at(kept: list[dict], target: int) -> float | None:
     losses = [line["loss"] for line in kept if line["step"] == target and line["loss"] is not None]
     return round(sum(losses) / len(losses), 4) if losses else None
+
+
+def _group_step(lines: list[dict]) -> float | None:
+    per_group = []
+    for replica in {line["replica"] for line in lines}:
+        walls = sorted(line["wall"] for line in lines if line["replica"] == replica and line["committed"])
+        if len(walls) > 1:
+            per_group.append(statistics.median(b - a for a, b in zip(walls, walls[1:])))
+    return round(statistics.median(per_group), 4) if per_group else None
 
 
 def _median_gap(firsts: dict[int, float]) -> float | None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from monarch_sky.common.supervision import describe_error, resolved
 from monarch_sky.control.context import RunContext
-from monarch_sky.control.detection import HostWatchdog, start_host_agent, unless_a_host_dies
+from monarch_sky.control.detection import HostWatchdog, kill_on_hosts, start_host_agent, unless_a_host_dies
 from monarch_sky.control.host_replacement import PROBE_EVERY_S, HostReplacement, attach_hosts
 from monarch_sky.hosts.base import Host, HostError
 from monarch_sky.replica.actor import ReplicaGroup
@@ -36,6 +36,7 @@ class Generations(HostReplacement):
         self.host_mesh = host_mesh  # one HostMesh over all of `hosts`
         self.spawned = 0  # generations spawned so far (standbys included)
         self.standby: asyncio.Task | None = None  # resolves to a warmed next generation
+        self.warming: ReplicaGroup | None = None  # the standby's generation while it warms
         self.orders: dict[Host, asyncio.Future] = {}  # lost host -> the request for its replacement
         self.agent = None  # a HostAgent on each of the group's hosts, once they are up
 
@@ -75,17 +76,22 @@ class Generations(HostReplacement):
         mesh = await attach_hosts(self.ctx, live) if lost else self.host_mesh
         await asyncio.wait_for(resolved(mesh.shutdown()), self.ctx.cfg.timeouts.stop_s)
 
-    async def spawn(self) -> ReplicaGroup:
+    async def spawn(self, standby: bool = False) -> ReplicaGroup:
         """A new generation with processes up and code imported."""
         ctx = self.ctx
         group = ReplicaGroup(self.index, self.spawned, self.hosts, self.host_mesh, ctx.cfg.procs_per_replica)
         self.spawned += 1
         ctx.watch_group(group)
+        if standby:
+            self.warming = group
         try:
             await group.spawn(ctx.proc_env(self.hosts), ctx.cfg.timeouts.spawn_s)
         except BaseException:
             await self.discard(group)
             raise
+        finally:
+            if self.warming is group:
+                self.warming = None
         return group
 
     def forget(self, group: ReplicaGroup) -> None:
@@ -121,7 +127,7 @@ class Generations(HostReplacement):
 
     async def _warm_standby(self) -> ReplicaGroup:
         began = time.monotonic()
-        group = await self.spawn()
+        group = await self.spawn(standby=True)
         self.ctx.note_standby_ready(self.index, group.generation, time.monotonic() - began)
         return group
 
@@ -169,6 +175,11 @@ class Generations(HostReplacement):
 
     async def close_standby(self) -> None:
         task, self.standby = self.standby, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        if task is None:
+            return
+        warming = self.warming
+        if not task.done() and warming is not None and warming.pids and self.agent is not None:
+            # It holds nothing yet, and a graceful stop waited seconds on its imports.
+            kill_on_hosts(self.agent, warming.pids)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)

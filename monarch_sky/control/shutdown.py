@@ -82,8 +82,10 @@ def left_running(run_id: str, hosts: set[int], grace_s: float) -> list[str]:
 
 
 async def _within(ctx: RunContext, deadline: float, what: str, awaitable) -> None:
+    began = time.monotonic()
     try:
         await asyncio.wait_for(awaitable, max(deadline - time.monotonic(), 0.5))
+        log.info("stopped the %s in %.2fs", what, time.monotonic() - began)
     except asyncio.TimeoutError:
         ctx.record.event("shutdown_stage_timed_out", stage=what)
         log.warning("stopping the %s took longer than timeouts.stop_s; moving on", what)
