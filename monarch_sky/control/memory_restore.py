@@ -49,6 +49,7 @@ class NodeMemory:
     def __init__(self, ctx: RunContext):
         self.ctx = ctx
         self.every = snapshot_every(ctx.cfg)
+        self.settings = fingerprint(ctx.cfg)  # what each run note says the run was started with
         self.epoch = 1  # this controller's: one more than any the hosts were claimed by (`survey`)
         self.owner = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}"  # tells a tie apart
         self.noted = 0  # the newest snapshot step noted
@@ -144,7 +145,7 @@ class NodeMemory:
 
     async def write_run_note(self) -> None:
         await self._write(None, {"run_step": self.ctx.ledger.run_step, "faults_fired": self.fired,
-                                 "epoch": self.epoch, "wall": time.time(), "settings": fingerprint(self.ctx.cfg)})
+                                 "epoch": self.epoch, "wall": time.time(), "settings": self.settings})
 
     def _account(self, r) -> None:
         self.steps += 1

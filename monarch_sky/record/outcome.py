@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from monarch_sky.config import EXIT_CONFIG
+
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
-EXIT_REFUSED = 2  # the same code as a config error found before anything started
+EXIT_REFUSED = EXIT_CONFIG  # what a config error found before anything started exits with
 EXIT_DEGRADED = 3
 EXIT_DIVERGED = 4
 EXIT_SUPERSEDED = 5
