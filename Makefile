@@ -53,7 +53,7 @@ chaos: $(STAMP)
 	$(PY) -m pytest -m chaos -s tests
 
 # One long run (about 20 minutes) under 40+ faults of every kind, some during recoveries, two
-# groups losing hosts at once, the controller killed midway and resumed from its checkpoint.
+# groups losing hosts at once, the controller killed midway and started again by hand, going on from node memory.
 soak: $(STAMP)
 	$(PY) -m pytest -m soak -s tests
 

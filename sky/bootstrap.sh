@@ -25,8 +25,8 @@
 #        worker roles. Job-group recipes set `recover_on_exit_codes: [75]` so a bad host is
 #        replaced without spending `max_restarts_on_errors`. Nothing else exits 75.
 #   N    a worker here died on its own: its exit status (137: SIGKILL, e.g. the OOM killer;
-#        a worker's own 75 becomes 1, since 75 is this script's verdict on the host); in the
-#        worker role only: a cluster node (rank > 0) exits 0 then, saying so, since one node's
+#        a worker's own 75 becomes 1, since 75 is this script's verdict on the host), in the
+#        worker role; a cluster-role node of rank > 0 exits 0 then, saying so, since one node's
 #        non-zero run makes SkyPilot cancel every node's (the controller absorbs the loss)
 #   1-5  on node rank 0 and in the controller role: `monarch-sky train`'s code (its workers'
 #        deaths are already in that verdict; 5: another node's controller took the run over);
