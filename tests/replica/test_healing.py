@@ -82,7 +82,7 @@ def _refused_states(trainer, good: dict) -> dict:
     from monarch_sky.replica.healing import HealStateMismatch
 
     name = next(iter(good["model"]))
-    wrong_dtype, wrong_shape, missing, unknown_opt, groups = (copy.deepcopy(good) for _ in range(5))
+    wrong_dtype, wrong_shape, missing, unknown_opt, groups, no_moments, no_key = (copy.deepcopy(good) for _ in range(7))
     wrong_dtype["model"][name] = good["model"][name].double() + 1
     wrong_shape["model"][name] = torch.zeros(1)
     del missing["model"][name]
@@ -90,11 +90,16 @@ def _refused_states(trainer, good: dict) -> dict:
     unknown_opt["model"][name] = torch.full_like(good["model"][name], 5.0)
     groups["param_groups"][0].append(dict(groups["param_groups"][0][0]))
     groups["model"][name] = torch.full_like(good["model"][name], 5.0)
+    del no_moments["optimizer"][0][name]  # this rank holds moments of it: loading would keep them stale
+    no_moments["model"][name] = torch.full_like(good["model"][name], 5.0)
+    del no_key["optimizer"][0][name]["exp_avg_sq"]
+    no_key["model"][name] = torch.full_like(good["model"][name], 5.0)
     wrong_dtype["model"][next(reversed(good["model"]))] = torch.full_like(good["model"][next(reversed(good["model"]))], 7.0)
     before = {k: v.clone() for k, v in trainer.state.state_dict()["model"].items()}
     out = {}
     cases = (("dtype", wrong_dtype), ("shape", wrong_shape), ("missing key", missing),
-             ("optimizer state of an unknown parameter", unknown_opt), ("param groups", groups))
+             ("optimizer state of an unknown parameter", unknown_opt), ("param groups", groups),
+             ("no moments of a parameter this rank has moments of", no_moments), ("a moment missing", no_key))
     for case, state in cases:
         try:
             trainer.state.load(state)
@@ -115,5 +120,6 @@ def test_healing_state_round_trips_without_module_state_dict(tmp_path):
     assert result["tokens"][0] == result["tokens"][1] > 0
     assert result["next_step_reports_healed"], "the controller could not tell the group healed"
     # A peer state of another dtype, shape or key set is refused whole, nothing loaded.
-    cases = ("dtype", "shape", "missing key", "optimizer state of an unknown parameter", "param groups")
+    cases = ("dtype", "shape", "missing key", "optimizer state of an unknown parameter", "param groups",
+             "no moments of a parameter this rank has moments of", "a moment missing")
     assert result["refused"] == {case: (True, True) for case in cases}, result["refused"]
