@@ -277,3 +277,22 @@ def test_bytes_damaged_on_the_way_and_altered_messages_are_caught():
         receiver.recv()
     a.close()
     b.close()
+
+
+def test_a_receive_that_failed_never_hands_its_buffer_to_the_next(pair):
+    # Late writes of the failed receive (an RDMA read that outlived its timeout) may still land
+    # in the buffer it was given: the next heal must land somewhere else.
+    serving, receiving = pair
+    state = rank_state(1000)
+    want = torch.utils._pytree.tree_map(lambda v: v.clone() if torch.is_tensor(v) else v, state)
+    serving.send_checkpoint([1], 5, state, timedelta(seconds=5))
+    receiving.prepare(heal_wire.layout(want)[3])
+    failed = receiving._buffer
+    with pytest.raises((HealWireError, OSError)):
+        receiving.recv_checkpoint(0, serving.metadata(), 6, timedelta(seconds=1))  # nobody serves step 6
+    got = receiving.recv_checkpoint(0, serving.metadata(), 5, timedelta(seconds=5))
+    assert_same(got, want)
+    start, end = failed.data_ptr(), failed.data_ptr() + failed.numel()
+    for tensor in torch.utils._pytree.tree_leaves(got):
+        if torch.is_tensor(tensor):
+            assert not start <= tensor.untyped_storage().data_ptr() < end, "the failed receive's buffer was reused"
