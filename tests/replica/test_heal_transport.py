@@ -296,3 +296,13 @@ def test_a_receive_that_failed_never_hands_its_buffer_to_the_next(pair):
     for tensor in torch.utils._pytree.tree_leaves(got):
         if torch.is_tensor(tensor):
             assert not start <= tensor.untyped_storage().data_ptr() < end, "the failed receive's buffer was reused"
+
+
+def test_a_peer_that_answers_for_another_step_is_not_healed_from(pair, monkeypatch):
+    # A peer holding the run's secret (a stale generation, a bug) serves the snapshot it has,
+    # whatever step was asked: the receiver checks the step itself and loads nothing.
+    serving, receiving = pair
+    serving.send_checkpoint([1], 5, rank_state(1000), timedelta(seconds=5))
+    monkeypatch.setattr(serving.server, "_snapshot", lambda step, timeout_s: serving.server._packed)
+    with pytest.raises(HealWireError, match="served step 5 when asked for step 6"):
+        receiving.recv_checkpoint(0, serving.metadata(), 6, timedelta(seconds=5))
