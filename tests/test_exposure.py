@@ -18,12 +18,11 @@ import psutil
 from conftest import TAG_ENV, new_tag, start, wait_for_event
 
 TRAINER = "monarch._src.actor.bootstrap_main"  # a process a worker spawned: a group's trainer rank
-UPSTREAM_PER_RANK = 2  # torchft 0.2.0's ManagerServer on [::] and the group's TCPStore
 
 
-def listeners(tag: str, controller_pid: int) -> tuple[dict[str, list[str]], list[list[str]]]:
+def listeners(tag: str, controller_pid: int) -> tuple[dict[str, list[str]], list[tuple[list[str], int]]]:
     """`controller`, `worker` or `trainer` -> the addresses its processes listen on; and each
-    trainer process's own list."""
+    trainer process's own list, with its pid."""
     found: dict[str, list[str]] = {"controller": [], "worker": [], "trainer": []}
     per_trainer = []
     for p in psutil.process_iter(["pid", "cmdline"]):
@@ -38,7 +37,7 @@ def listeners(tag: str, controller_pid: int) -> tuple[dict[str, list[str]], list
             continue
         found[role] += mine
         if role == "trainer" and trains and mine:
-            per_trainer.append(mine)
+            per_trainer.append((mine, p.pid))
     return found, per_trainer
 
 
@@ -61,11 +60,18 @@ def test_a_local_run_listens_on_loopback_but_for_upstreams_trainer_ports(tmp_pat
     assert lighthouse.rsplit(":", 1)[1] in {a.rsplit(":", 1)[1] for a in found["controller"]}, (lighthouse, found)
     assert found["controller"] and found["worker"] and found["trainer"], found
     assert all(map(loopback, found["controller"] + found["worker"])), found
-    everywhere = [[a for a in mine if not loopback(a)] for mine in per_trainer]
-    # Upstream's, per rank in torchft 0.2.0: the ManagerServer and the group's TCPStore. One more
-    # is a listener of ours (a heal server, a door) bound to every interface.
-    assert all(1 <= len(a) <= UPSTREAM_PER_RANK for a in everywhere), (everywhere, per_trainer)
-    assert any(len(mine) > len(a) for mine, a in zip(per_trainer, everywhere)), "our own trainer listeners are on loopback"
+    assert per_trainer, found
+    # Upstream's, by port: each group's TCPStore and torchft's ManagerServer, which its trainer
+    # reports as it starts. Anything else off loopback is a listener of ours.
+    upstream = {e["pid"]: set(e["upstream_ports"]) for e in read_events(tmp_path / tag) if e["event"] == "replica_started"}
+    for mine, pid in per_trainer:
+        assert upstream[pid], f"test premise: trainer {pid} reported the ports of its upstream listeners"
+        ours = [a for a in mine if not loopback(a) and int(port(a)) not in upstream[pid]]
+        assert not ours, f"trainer {pid} listens off loopback on {ours} (all: {mine}; upstream's: {upstream[pid]})"
+    assert any(loopback(a) for mine, _ in per_trainer for a in mine), "our own trainer listeners are on loopback"
+
+def port(address: str) -> str:
+    return address.rsplit(":", 1)[1]
 
 
 def read_events(path):

@@ -274,3 +274,14 @@ def quick_rendezvous(manager, rendezvous_s: float) -> None:
             group._pg._get_backend(torch.device("cpu")).set_timeout(full)  # the collectives' own
 
     group.configure = configure_quickly
+
+
+def upstream_ports(manager) -> list[int]:
+    """The ports of upstream's listeners on every interface in this rank (docs/security.md):
+    the group's TCPStore (MASTER_PORT, set by Monarch's SPMD setup; rank 0 holds it) and
+    torchft 0.2.0's ManagerServer (group rank 0, bound to [::]; no public accessor)."""
+    ports = [int(os.environ["MASTER_PORT"])] if os.environ.get("MASTER_PORT") else []
+    server = getattr(manager, "_manager", None)
+    if server is not None:
+        ports.append(int(server.address().rsplit(":", 1)[1]))
+    return ports

@@ -133,7 +133,7 @@ class Slot(SlotRecovery):
             self.ctx.note_group_started(self.index, info)
             self.ctx.record.event(
                 "replica_started", replica=self.index, generation=group.generation, from_standby=warm,
-                hosts=[h.address for h in group.hosts],
+                hosts=[h.address for h in group.hosts], upstream_ports=info["upstream_ports"],
                 seconds=round(time.monotonic() - began, 3), pid=info["pid"], **group.timings,
             )
             return True

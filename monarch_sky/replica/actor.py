@@ -81,6 +81,7 @@ class ReplicaActor(Actor):
             "cross_group": platform_mod.cross_group_link(plat.kind),
             "checkpoint_folder_seen": checkpoints.sees_probe(spec.checkpoint.probe if spec.checkpoint else None),
             "initial_weights": self.trainer.initial_weights,
+            "upstream_ports": platform_mod.upstream_ports(self.trainer.manager),
         }
 
     @endpoint
@@ -201,6 +202,7 @@ class ReplicaGroup:
         per_rank = await self._call(self.actors.setup.call(spec, rejoining, data), timeout_s)
         info = per_rank.get(0)
         info["checkpoint_folder_seen"] = _all_seen([r["checkpoint_folder_seen"] for r in per_rank.values()])
+        info["upstream_ports"] = sorted({port for r in per_rank.values() for port in r["upstream_ports"]})
         if info["initial_weights"] is not None:  # the group's digest of what its ranks loaded
             loads = [r["initial_weights"] for r in per_rank.values()]
             info["initial_weights"] = {**loads[0], "seconds": max(w["seconds"] for w in loads),
