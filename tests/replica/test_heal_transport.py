@@ -14,7 +14,7 @@ import torch
 
 from monarch_sky.replica import heal_wire
 from monarch_sky.replica import heal_receive
-from monarch_sky.replica.heal_receive import HealInterrupted, missing, pieces
+from monarch_sky.replica.heal_receive import missing, pieces
 from monarch_sky.replica.heal_tcp import TCPHealTransport
 from monarch_sky.replica.heal_wire import HealWireError
 
