@@ -152,7 +152,8 @@ def run_arm(key: str, name: str, s: BenchSettings, bench_dir: Path) -> dict:
 
 
 def _arm_result(key: str, plan, s: BenchSettings, started: float, ended: float, codes: list) -> dict:
-    lines = read_jsonl(plan.dir / "steps.jsonl")
+    # In time order: a DiLoCo group's inner steps are written together, when their call returns.
+    lines = sorted(read_jsonl(plan.dir / "steps.jsonl"), key=lambda line: line["wall"])
     result = {"label": arms_mod.LABELS[key], "dir": plan.dir.name, "started_wall": started,
               "exit_code": max((c if c is not None else 124) for c in codes)}
     result.update(metrics.arm_stats(lines, started, ended, s.steps))

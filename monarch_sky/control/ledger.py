@@ -79,7 +79,8 @@ class StepLedger:
 
     def add(self, r: StepResult, now: float) -> None:
         self.step_seconds = 0.8 * self.step_seconds + 0.2 * r.seconds
-        self.record.step(r.replica, r.step, r.committed, r.seconds, r.loss, r.participants)
+        wall = time.time() - (time.monotonic() - now)  # `now` is earlier for a step that came in a batch
+        self.record.step(r.replica, r.step, r.committed, r.seconds, r.loss, r.participants, wall)
         self.lines.append({"wall": now, "replica": r.replica, "step": r.step, "committed": r.committed, "seconds": r.seconds})
         if not r.committed:
             return

@@ -19,7 +19,7 @@ from typing import Any
 from monarch_sky.common import checkpoints
 
 from monarch_sky.common.supervision import describe_error
-from monarch_sky.control import memory_restore, rejoin
+from monarch_sky.control import inner_steps, memory_restore, rejoin
 from monarch_sky.control.checkpoint_loads import LoadFailure
 from monarch_sky.control.context import RunContext
 from monarch_sky.control.generations import Generations
@@ -188,6 +188,8 @@ class Slot(SlotRecovery):
 
     async def _one_step(self) -> None:
         ctx, group = self.ctx, self.group
+        if (count := inner_steps.batch(ctx, self)) > 1:
+            return await inner_steps.run(self, count)
         issued = time.monotonic()
         call = asyncio.ensure_future(group.step(ctx.cfg.timeouts.step_s))
         await asyncio.sleep(0)  # let the step go out before a fault aims at it
@@ -229,8 +231,8 @@ class Slot(SlotRecovery):
         self._fire_faults(self.group)
         await self.on_result(await self._timed(call, issued), issued)
 
-    async def on_result(self, r: StepResult, issued: float) -> None:
-        ctx, now = self.ctx, time.monotonic()
+    async def on_result(self, r: StepResult, issued: float, ended: float | None = None) -> None:
+        ctx, now = self.ctx, ended or time.monotonic()
         self.step = r.step
         self.uncommitted += not r.committed
         if r.data_states:

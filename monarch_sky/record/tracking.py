@@ -46,9 +46,10 @@ class RunRecord:
         self._events.write(json.dumps(event) + "\n")
         return event
 
-    def step(self, replica: int, step: int, committed: bool, seconds: float, loss: float | None, participants: int) -> None:
-        """One replica group's step as it ended (committed or not)."""
-        line = {"wall": round(time.time(), 3), "replica": replica, "step": step, "committed": committed,
+    def step(self, replica: int, step: int, committed: bool, seconds: float, loss: float | None, participants: int,
+             wall: float | None = None) -> None:
+        """One replica group's step as it ended (committed or not; `wall`: when, if not now)."""
+        line = {"wall": round(wall or time.time(), 3), "replica": replica, "step": step, "committed": committed,
                 "seconds": round(seconds, 4), "loss": loss, "participants": participants}
         self._steps.write(json.dumps(line) + "\n")
 

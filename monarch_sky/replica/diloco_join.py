@@ -72,6 +72,15 @@ class DiLoCoJoin:
             **self._memory_stats(),
         )
 
+    def inner_steps(self, count: int) -> list[StepResult]:
+        """DiLoCo: up to `count` steps in one call, none of them a sync: the controller asks
+        for the inner steps before the next sync this way when nothing is aimed at them, one
+        call instead of one per step. Stops after a step that did not commit."""
+        results = [self.step()]
+        while len(results) < count and results[-1].committed and not results[-1].synced:
+            results.append(self.step())
+        return results
+
     def _align_schedule(self) -> None:
         """Keep the LR schedule a function of committed progress.
 
