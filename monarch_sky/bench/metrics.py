@@ -20,6 +20,9 @@ the time the target's processes came back). The definitions:
 - group step: the median over groups of each group's median gap between its own consecutive
   committed steps. In DiLoCo the groups' inner steps are not in lockstep, and the run step
   advances with whichever group is ahead, so the median step there is shorter than any group's;
+- steady step: the median over groups of each group's mean step over the second half of the
+  run's steps, when start-up is over (monarch-sky's standbys warm during the first ones, on the
+  same cores here; on GPU nodes they use host CPUs the steps do not);
 - between steps: median time a group spends outside its own step, from one step's end to the
   next one's (consecutive steps of one replica: the gap in wall time less the step's own
   seconds). For monarch-sky that is the controller's turn (result back, next call out); for
@@ -76,6 +79,7 @@ def arm_stats(lines: list[dict], started: float, ended: float, target: int) -> d
         "loss_at_target": _loss_at(kept, target),
         "median_step_s": _median_gap(firsts),
         "group_step_s": _group_step(lines),
+        "steady_step_s": _steady_step(lines, target),
         "first_step_s": round(firsts[1] - started, 2) if 1 in firsts else None,
         "between_steps_s": between_steps(lines),
     }
@@ -134,6 +138,17 @@ def _group_step(lines: list[dict]) -> float | None:
         walls = sorted(line["wall"] for line in lines if line["replica"] == replica and line["committed"])
         if len(walls) > 1:
             per_group.append(statistics.median(b - a for a, b in zip(walls, walls[1:])))
+    return round(statistics.median(per_group), 4) if per_group else None
+
+
+def _steady_step(lines: list[dict], target: int) -> float | None:
+    """The median over groups of each group's mean step over the run's second half."""
+    per_group = []
+    for replica in {line["replica"] for line in lines}:
+        walls = sorted(line["wall"] for line in lines
+                       if line["replica"] == replica and line["committed"] and line["step"] > target // 2)
+        if len(walls) > 1:
+            per_group.append((walls[-1] - walls[0]) / (len(walls) - 1))
     return round(statistics.median(per_group), 4) if per_group else None
 
 

@@ -50,6 +50,7 @@ def arm_row(arm: dict[str, Any], target: Any) -> list[str]:
         fmt_seconds(arm.get("time_to_target_s")),
         fmt_ratio(arm.get("loss_at_target")),
         fmt_seconds(arm.get("median_step_s")),
+        fmt_seconds(arm.get("steady_step_s")),
         fmt_seconds(arm.get("first_step_s")),
         fmt_seconds(arm.get("between_steps_s")),
     ]
@@ -72,7 +73,7 @@ def bench_markdown(bench: dict[str, Any]) -> str:
     lines = [f"# Benchmark {bench.get('bench_id', '')}", "", f"Created {bench.get('created', NULL)}; "
              f"settings: `{json.dumps(bench.get('settings') or {}, sort_keys=True)}`", "", "## Arms", ""]
     lines += md_table(["arm", "wall s", "committed/target", "step efficiency", "goodput",
-                       "work rate /s", "time to target s", "loss at target", "median step s", "first step s",
+                       "work rate /s", "time to target s", "loss at target", "median step s", "steady step s", "first step s",
                        "between steps s"],
                       [arm_row(arm, target) for arm in arms.values()])
     rows = [row for arm in arms.values() for row in fault_rows(arm)]

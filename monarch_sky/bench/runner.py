@@ -45,6 +45,9 @@ RATIOS = {  # name -> (arm, arm, field): the first arm's field over the second's
     "first_step A_step/E'": ("A_step", "E_best", "first_step_s"),
     "step_time A_step/E'": ("A_step", "E_best", "median_step_s"),  # TorchFT's per-step protocol is in both
     "group_step A_diloco/E' (diloco)": ("A_diloco", "E_best_diloco", "group_step_s"),
+    "steady_step A_diloco/E' (diloco)": ("A_diloco", "E_best_diloco", "steady_step_s"),
+    "steady_step A_step/B": ("A_step", "B", "steady_step_s"),
+    "steady_step A_step/E'": ("A_step", "E_best", "steady_step_s"),
     "step_time A_diloco/E' (diloco)": ("A_diloco", "E_best_diloco", "median_step_s"),
     "goodput A_diloco/E' (diloco)": ("A_diloco", "E_best_diloco", "goodput"),
     "first_step A_diloco/E' (diloco)": ("A_diloco", "E_best_diloco", "first_step_s"),

@@ -37,14 +37,14 @@ def batch(ctx, slot) -> int:
 
 async def run(slot, count: int) -> None:
     """`count` inner steps of `slot`'s group in one call; each result is taken in order, at
-    the time it ended (the call's end less the steps after it)."""
+    about the time it ended: the call's time shared out in proportion to the steps' seconds."""
     ctx, issued = slot.ctx, time.monotonic()
     slot.step_calls += 1
     results = await slot._timed(asyncio.ensure_future(slot.group.inner_steps(count, ctx.cfg.timeouts.step_s)), issued)
-    ended, after = time.monotonic(), sum(r.seconds for r in results)
+    took, total, done = time.monotonic() - issued, sum(r.seconds for r in results) or 1.0, 0.0
     for r in results:
-        after -= r.seconds
-        await slot.on_result(r, issued, ended - after)
+        done += r.seconds
+        await slot.on_result(r, issued, issued + took * done / total)
         await ctx.checkpoints.after_step(slot, r)
         if slot.state is not SlotState.TRAINING:
             return

@@ -50,6 +50,18 @@ def test_the_time_between_a_groups_steps_is_what_its_steps_do_not_cover():
     assert metrics.between_steps(lines) == round(statistics.median([0.1, 0.2, 0.3]), 4)
 
 
+def test_the_steady_step_leaves_out_the_runs_first_half():
+    # Two groups of 10 steps: 2 s a step while start-up work shares the cores, then 1 s (group 0)
+    # and 1.5 s (group 1) over the second half (steps 6-10).
+    lines = []
+    for replica, late in ((0, 1.0), (1, 1.5)):
+        wall = 0.0
+        for step in range(1, 11):
+            wall += 2.0 if step <= 5 else late
+            lines.append(line(wall, step, replica))
+    assert metrics.arm_stats(lines, 0.0, 30.0, target=10)["steady_step_s"] == statistics.median([1.0, 1.5])
+
+
 def test_survivors_resume_before_the_failed_group_rejoins():
     lines = [line(t, t, replica=r) for t in (1, 2) for r in (0, 1)]
     lines += [line(3.2, 3, replica=0, committed=False), line(4.5, 3, replica=0, seconds=1.0), line(5.5, 4, replica=0)]
