@@ -133,23 +133,23 @@ def _loss_at(kept: list[dict], target: int) -> float | None:
 
 
 def _group_step(lines: list[dict]) -> float | None:
-    per_group = []
-    for replica in {line["replica"] for line in lines}:
-        walls = sorted(line["wall"] for line in lines if line["replica"] == replica and line["committed"])
-        if len(walls) > 1:
-            per_group.append(statistics.median(b - a for a, b in zip(walls, walls[1:])))
-    return round(statistics.median(per_group), 4) if per_group else None
+    return _over_groups(lines, lambda walls: statistics.median(b - a for a, b in zip(walls, walls[1:])))
 
 
 def _steady_step(lines: list[dict], target: int) -> float | None:
     """The median over groups of each group's mean step over the run's second half."""
-    per_group = []
+    return _over_groups(lines, lambda walls: (walls[-1] - walls[0]) / (len(walls) - 1), after_step=target // 2)
+
+
+def _over_groups(lines: list[dict], per_group, after_step: int = 0) -> float | None:
+    """The median over groups of `per_group` of each group's committed walls after `after_step`, in order."""
+    values = []
     for replica in {line["replica"] for line in lines}:
         walls = sorted(line["wall"] for line in lines
-                       if line["replica"] == replica and line["committed"] and line["step"] > target // 2)
+                       if line["replica"] == replica and line["committed"] and line["step"] > after_step)
         if len(walls) > 1:
-            per_group.append((walls[-1] - walls[0]) / (len(walls) - 1))
-    return round(statistics.median(per_group), 4) if per_group else None
+            values.append(per_group(walls))
+    return round(statistics.median(values), 4) if values else None
 
 
 def _median_gap(firsts: dict[int, float]) -> float | None:

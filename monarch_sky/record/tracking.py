@@ -47,9 +47,9 @@ class RunRecord:
         return event
 
     def step(self, replica: int, step: int, committed: bool, seconds: float, loss: float | None, participants: int,
-             wall: float | None = None) -> None:
-        """One replica group's step as it ended (committed or not; `wall`: when, if not now)."""
-        line = {"wall": round(wall or time.time(), 3), "replica": replica, "step": step, "committed": committed,
+             wall: float) -> None:
+        """One replica group's step as it ended at `wall` (committed or not)."""
+        line = {"wall": round(wall, 3), "replica": replica, "step": step, "committed": committed,
                 "seconds": round(seconds, 4), "loss": loss, "participants": participants}
         self._steps.write(json.dumps(line) + "\n")
 

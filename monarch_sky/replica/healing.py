@@ -140,6 +140,9 @@ class RankLocalState:
         if len(theirs) != len(mine):
             raise HealStateMismatch(f"the peer sent {len(theirs) - 1} optimizers' state, this rank has {len(mine) - 1}")
         for own, sent in zip(mine, theirs):
+            if lacking := sorted(own.keys() - sent.keys()):  # the model's were checked above: moments
+                raise HealStateMismatch(f"the peer sent no {lacking[:3]}, which this rank holds "
+                                        "(loading would keep this rank's own, stale)")
             for name in own.keys() & sent.keys():
                 a, b = own[name], sent[name]
                 if a.shape != b.shape or a.dtype != b.dtype:
@@ -150,8 +153,7 @@ class RankLocalState:
     def _check_optimizer_state(self, state: dict[str, Any]) -> None:
         """What `check`'s key-by-key comparison cannot see: the optimizer state of a parameter
         this rank lacks, moments this rank has none of yet (a fresh rejoiner) whose shape is not
-        their parameter's, moments this rank holds that the peer did not send, and a different
-        number of param groups."""
+        their parameter's, and a different number of param groups."""
         for opt_state in state.get("optimizer", []):
             unknown = sorted(set(opt_state) - set(self._params))
             if unknown:
@@ -162,14 +164,6 @@ class RankLocalState:
                     if torch.is_tensor(value) and value.dim() > 0 and value.shape != shape:
                         raise HealStateMismatch(f"{name}.{key}: the peer sent {tuple(value.shape)}, the parameter "
                                                 f"here is {tuple(shape)}")
-        for opt, opt_state in zip(self._optimizers(), state.get("optimizer", [])):
-            for param, values in opt.state.items():
-                name = self._names[id(param)]
-                held = {k for k, v in values.items() if torch.is_tensor(v)}
-                lacking = sorted(held - set(opt_state.get(name, {})))
-                if lacking:
-                    raise HealStateMismatch(f"{name}: the peer sent no {', '.join(lacking)}, which this rank holds "
-                                            "(loading would keep this rank's own, stale)")
         groups = state.get("param_groups", [])
         mine = [len(opt.param_groups) for opt in self._optimizers()]
         if [len(g) for g in groups] != mine:
